@@ -1,0 +1,235 @@
+"""Which records are in effect, what each attempt did, and whether re-runs matched.
+
+A resume from checkpoint K starts a new attempt whose `run_started` says
+``resumed_from_step: K``; every step the earlier attempts committed after K is rolled back.
+A record of attempt a about step s therefore stays in effect only while s is at most the
+smallest resume point of every later attempt. Two streaming passes find this: the first
+reads only the resume points, the second filters. Nothing here knows the save state; the
+fold lives in `states/`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from events.errors import LineageError
+from events.log import EventLog, LogReader, read_log
+from events.record import Record
+
+LogLike = str | Path | EventLog | LogReader | Iterable[Record]
+_STEP_TYPES = ("step_committed", "checkpoint_saved")
+
+
+def _source(log: LogLike) -> Iterable[Record]:
+    """Something that can be iterated more than once."""
+    if isinstance(log, str | Path):
+        return read_log(log)
+    if isinstance(log, EventLog):
+        return _Rereadable(log)
+    if isinstance(log, list | tuple | LogReader):
+        return log
+    return list(log)
+
+
+class _Rereadable:
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+
+    def __iter__(self) -> Iterator[Record]:
+        return self.log.records()
+
+
+def _origin(log: LogLike, records: Iterable[Record]) -> str:
+    return str(getattr(records, "path", log if isinstance(log, str | Path) else "<records>"))
+
+
+def resume_limits(records: Iterable[Record]) -> dict[int, float]:
+    """attempt -> the highest step of that attempt still in effect (inf when none rolled back)."""
+    resumes: list[tuple[int, int]] = []
+    for rec in records:
+        if rec.type == "run_started":
+            resumes.append((rec.attempt, rec.data.get("resumed_from_step") or 0))
+    limits: dict[int, float] = {}
+    floor = math.inf
+    for attempt, resumed in reversed(resumes):
+        limits[attempt] = floor
+        floor = min(floor, resumed)
+    return limits
+
+
+def records_in_effect(log: LogLike) -> Iterator[Record]:
+    """Stream the records that still count, checking that the story they tell is possible.
+
+    The check follows time, not the final view: each step must follow the previous one of
+    the live lineage, and a resume must start from a checkpoint that was in effect then.
+    Raises `LineageError` (with the line) otherwise.
+    """
+    source = _source(log)
+    limits = resume_limits(source)
+    origin = _origin(log, source)
+    last_step = 0
+    checkpoints = {0}
+    for rec in source:
+        if rec.type == "run_started":
+            resumed = rec.data.get("resumed_from_step") or 0
+            if resumed not in checkpoints:
+                raise LineageError(
+                    origin,
+                    rec.line,
+                    f"attempt {rec.attempt} resumes from step {resumed}, "
+                    "but no checkpoint_saved in effect covers that step",
+                )
+            last_step = resumed
+            checkpoints = {s for s in checkpoints if s <= resumed}
+        elif rec.type == "step_committed":
+            if rec.data["step"] != last_step + 1:
+                raise LineageError(
+                    origin,
+                    rec.line,
+                    f"step {rec.data['step']} committed after step {last_step} "
+                    "(steps must follow one another)",
+                )
+            last_step = rec.data["step"]
+        elif rec.type == "checkpoint_saved":
+            if rec.data["step"] != last_step:
+                raise LineageError(
+                    origin,
+                    rec.line,
+                    f"checkpoint of step {rec.data['step']} saved after step {last_step}",
+                )
+            checkpoints.add(last_step)
+        if rec.type in _STEP_TYPES and rec.data["step"] > limits.get(rec.attempt, math.inf):
+            continue
+        yield rec
+
+
+@dataclass
+class Attempt:
+    """What one launch of the run did, as the log tells it."""
+
+    number: int
+    resumed_from_step: int | None = None
+    started: float | None = None
+    ended: float | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    steps: int = 0
+    rolled_back: int = 0
+    aborts: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)
+    repaired_bytes: int = 0
+    stop_reason: str | None = None
+    stop_error: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        return self.stop_reason or "no run_stopped record (crashed, killed or still running)"
+
+
+@dataclass
+class History:
+    attempts: list[Attempt]
+    records: int
+    last_seq: int | None
+
+
+def history(log: LogLike) -> History:
+    """The attempts of a run with their steps, aborts, checkpoints and how each ended."""
+    source = _source(log)
+    limits = resume_limits(source)
+    attempts: dict[int, Attempt] = {}
+    count, last_seq = 0, None
+    for rec in source:
+        count, last_seq = count + 1, rec.seq
+        att = attempts.get(rec.attempt)
+        if att is None:
+            att = attempts[rec.attempt] = Attempt(rec.attempt, started=rec.time)
+        att.ended = rec.time
+        data = rec.data
+        if rec.type == "run_started":
+            att.resumed_from_step = data.get("resumed_from_step")
+        elif rec.type == "step_committed":
+            att.steps += 1
+            att.first_step = data["step"] if att.first_step is None else att.first_step
+            att.last_step = data["step"]
+            att.rolled_back += data["step"] > limits.get(rec.attempt, math.inf)
+        elif rec.type == "step_aborted":
+            att.aborts.append({k: data[k] for k in ("step", "phase", "error_type", "error")})
+        elif rec.type == "checkpoint_saved":
+            att.checkpoints.append(data["step"])
+        elif rec.type == "run_stopped":
+            att.stop_reason, att.stop_error = data["reason"], data.get("error")
+        elif rec.type == "log_repaired":
+            att.repaired_bytes += data["dropped_bytes"]
+    return History(sorted(attempts.values(), key=lambda a: a.number), count, last_seq)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first re-executed step whose samples or loss differ from its first execution."""
+
+    step: int
+    first_attempt: int
+    later_attempt: int
+    field: str  # "sample_digests" or "loss"
+    first_value: Any
+    later_value: Any
+    ranks: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        where = f" (logical ranks {list(self.ranks)})" if self.ranks else ""
+        return (
+            f"step {self.step}: {self.field} differ{where} between attempt "
+            f"{self.first_attempt} ({self.first_value}) and attempt {self.later_attempt} "
+            f"({self.later_value})"
+        )
+
+
+def compare_reexecutions(log: LogLike) -> tuple[int, list[Divergence]]:
+    """(number of re-executions compared, every divergence found, in step order)."""
+    source = _source(log)
+    limits = resume_limits(source)
+    first_runs: dict[int, Record] = {}
+    compared, found = 0, []
+    for rec in source:
+        if rec.type != "step_committed":
+            continue
+        step = rec.data["step"]
+        earlier = first_runs.get(step)
+        if earlier is not None:
+            compared += 1
+            diff = _differ(earlier, rec)
+            if diff is not None:
+                found.append(diff)
+        elif step > limits.get(rec.attempt, math.inf):
+            first_runs[step] = rec  # rolled back: a later attempt will run it again
+    return compared, sorted(found, key=lambda d: d.step)
+
+
+def divergence(log: LogLike) -> Divergence | None:
+    """The first re-executed step that did not reproduce exactly, or None."""
+    found = compare_reexecutions(log)[1]
+    return found[0] if found else None
+
+
+def _differ(first: Record, later: Record) -> Divergence | None:
+    a, b = first.data.get("sample_digests", []), later.data.get("sample_digests", [])
+    if a != b:
+        ranks = tuple(i for i in range(max(len(a), len(b))) if a[i : i + 1] != b[i : i + 1])
+        return Divergence(
+            first.data["step"], first.attempt, later.attempt, "sample_digests", a, b, ranks
+        )
+    if first.data["loss"] != later.data["loss"]:
+        return Divergence(
+            first.data["step"],
+            first.attempt,
+            later.attempt,
+            "loss",
+            first.data["loss"],
+            later.data["loss"],
+        )
+    return None

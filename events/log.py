@@ -1,0 +1,231 @@
+"""The append-only JSONL log of one run directory: one writer, many readers.
+
+The writer holds an advisory lock that the kernel drops when its process dies, so a crashed
+run never blocks its own resume, while a second live run on the same directory is refused.
+Opening for write verifies the whole chain and cuts off a torn last line, recording the cut
+as a `log_repaired` event so the repair itself is part of the history.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time as _time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from events.errors import EventLogError, EventLogLocked
+from events.record import Record, encode
+from events.scan import ScanState, scan_lines
+from events.schemas import EventPayload, LogRepaired
+
+LOG_NAME = "events.jsonl"
+LOCK_NAME = "events.lock"
+DURABLE_TYPES = frozenset(
+    {"step_committed", "step_aborted", "checkpoint_saved", "run_stopped", "log_repaired"}
+)
+
+
+def log_path(run_dir_or_file: Path | str) -> Path:
+    """Accept a run directory or the events file itself."""
+    path = Path(run_dir_or_file)
+    return path if path.suffix == ".jsonl" else path / LOG_NAME
+
+
+class LogReader:
+    """Streams verified records of a log file; `torn_bytes` is set once iteration ends."""
+
+    def __init__(self, path: Path | str, *, validate: bool = False) -> None:
+        self.path = log_path(path)
+        if not self.path.is_file():
+            raise EventLogError(f"{self.path}: no event log here")
+        self.validate = validate
+        self.state = ScanState()
+
+    def __iter__(self) -> Iterator[Record]:
+        self.state = ScanState()
+        with open(self.path, "rb", buffering=1 << 20) as fh:
+            yield from scan_lines(fh, self.path, self.state, validate=self.validate)
+
+    @property
+    def torn_bytes(self) -> int:
+        return self.state.torn_bytes
+
+
+def read_log(path: Path | str, *, validate: bool = False) -> LogReader:
+    """A read-only, streaming view of ``<run_dir>/events.jsonl``; takes no lock."""
+    return LogReader(path, validate=validate)
+
+
+class _MemorySink:
+    """Bytes in memory: the same log logic without a file, for tests and dry runs."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def write(self, data: bytes, durable: bool) -> None:
+        self.buffer += data
+
+    def size(self) -> int:
+        return len(self.buffer)
+
+    def truncate(self, size: int) -> None:
+        del self.buffer[size:]
+
+    def lines(self) -> Iterable[bytes]:
+        return bytes(self.buffer).splitlines(keepends=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _FileSink:
+    """An O_APPEND file descriptor; a failed write is cut back so no partial line stays."""
+
+    def __init__(self, path: Path, fsync: bool) -> None:
+        created = not path.exists()
+        self.path = path
+        self.fsync = fsync
+        self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        if created and fsync:
+            _fsync_dir(path.parent)
+
+    def write(self, data: bytes, durable: bool) -> None:
+        start = self.size()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view) :]
+            if durable and self.fsync:
+                os.fsync(self.fd)
+        except BaseException:
+            os.ftruncate(self.fd, start)
+            raise
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self.fd, size)
+        if self.fsync:
+            os.fsync(self.fd)
+
+    def lines(self) -> Iterable[bytes]:
+        with open(self.path, "rb", buffering=1 << 20) as fh:
+            yield from fh
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class EventLog:
+    """The single writer of a log. Use `open_log(run_dir)` or `EventLog.in_memory()`."""
+
+    def __init__(self, sink, path: Path | str, *, durable_types=DURABLE_TYPES, lock_fd=None):
+        self._sink = sink
+        self.path = Path(path)
+        self.durable_types = frozenset(durable_types)
+        self._lock_fd = lock_fd
+        self.repaired: LogRepaired | None = None
+        self._state = ScanState()
+        for _ in scan_lines(sink.lines(), self.path, self._state, validate=True):
+            pass
+        self.attempt = self._state.max_attempt + 1
+        if self._state.torn_bytes:
+            sink.truncate(self._state.good_bytes)
+            self.repaired = LogRepaired(
+                dropped_bytes=self._state.torn_bytes,
+                at_line=self._state.torn_line,
+                reason="torn last line (the process stopped mid-write)",
+            )
+            self.append(self.repaired)
+
+    @classmethod
+    def in_memory(cls, *, durable_types=DURABLE_TYPES) -> EventLog:
+        return cls(_MemorySink(), "<memory>", durable_types=durable_types)
+
+    @property
+    def next_seq(self) -> int:
+        return self._state.next_seq
+
+    @property
+    def last_digest(self) -> str:
+        return self._state.prev
+
+    def append(
+        self, payload: EventPayload, *, durable: bool | None = None, time: float | None = None
+    ) -> Record:
+        """Write one record (flushed; fsynced when durable) and return it."""
+        if self._sink is None:
+            raise EventLogError(f"{self.path}: the log is closed")
+        type_ = payload.event_type
+        data = payload.model_dump(mode="json")
+        now = _time.time() if time is None else time
+        seq, prev = self._state.next_seq, self._state.prev
+        line, digest = encode(seq, type_, now, self.attempt, data, prev)
+        if durable is None:
+            durable = type_ in self.durable_types
+        self._sink.write(line + b"\n", durable)
+        self._state.next_seq = seq + 1
+        self._state.lines += 1
+        self._state.prev = digest
+        return Record(seq, type_, now, self.attempt, data, prev, digest, self._state.lines)
+
+    def records(self, *, validate: bool = False) -> Iterator[Record]:
+        """Everything written so far, verified again from storage."""
+        return scan_lines(self._sink.lines(), self.path, ScanState(), validate=validate)
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_log(run_dir: Path | str, *, durable_types=DURABLE_TYPES, fsync: bool = True) -> EventLog:
+    """Open (creating if needed) ``<run_dir>/events.jsonl`` for writing, under the run lock."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock_fd = _acquire_lock(run_dir / LOCK_NAME)
+    try:
+        sink = _FileSink(run_dir / LOG_NAME, fsync)
+        try:
+            return EventLog(sink, sink.path, durable_types=durable_types, lock_fd=lock_fd)
+        except BaseException:
+            sink.close()
+            raise
+    except BaseException:
+        os.close(lock_fd)
+        raise
+
+
+def _acquire_lock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise EventLogLocked(
+            f"{path.parent} is already being written by another run (pid {holder}); "
+            "stop that run or choose another run directory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

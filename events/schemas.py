@@ -1,0 +1,153 @@
+"""Event payloads: small frozen facts in the past tense, one model per record type.
+
+Each payload carries a ``schema_version``. Readers upgrade older payloads in one place
+(`upcast`) and refuse newer ones, so a log written by a later release is reported rather
+than half-understood.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EventPayload(BaseModel):
+    """Base of every payload: frozen, no unknown fields, plain values only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    event_type: ClassVar[str] = ""
+    schema_version: int = 1
+
+
+class RunStarted(EventPayload):
+    """An attempt began: fresh (``resumed_from_step`` None) or from checkpoint K."""
+
+    event_type: ClassVar[str] = "run_started"
+    placement_hash: str
+    resumed_from_step: int | None = None
+    max_steps: int | None = None
+    logical_world_size: int | None = None
+    config_digest: str | None = None
+    host: str | None = None
+    pid: int | None = None
+
+
+class LoadersReady(EventPayload):
+    """Every loader owner built its energon loader (restored or fresh)."""
+
+    event_type: ClassVar[str] = "loaders_ready"
+    owner_ranks: list[int]
+    logical_world_size: int
+    restored: bool
+    seconds: float = 0.0
+
+
+class StepCommitted(EventPayload):
+    """An optimizer step finished on every worker and every owner committed its batch."""
+
+    event_type: ClassVar[str] = "step_committed"
+    step: int = Field(ge=1)
+    source_samples: int = Field(ge=0)
+    valid_tokens: int = Field(ge=0)
+    physical_packs: int = Field(ge=0)
+    loss: float
+    grad_norm: float
+    lr: float
+    timings: dict[str, float] = Field(default_factory=dict)
+    sample_digests: list[str] = Field(default_factory=list)
+    trace_id: str | None = None
+    span_id: str | None = None
+
+
+class StepAborted(EventPayload):
+    """A step failed: the policy step was dropped and the loader batches rewound."""
+
+    event_type: ClassVar[str] = "step_aborted"
+    step: int = Field(ge=1)
+    phase: str
+    error_type: str
+    error: str
+    trace_id: str | None = None
+    span_id: str | None = None
+
+
+class CheckpointSaved(EventPayload):
+    """``checkpoints/step_<step>`` is complete and renamed into place."""
+
+    event_type: ClassVar[str] = "checkpoint_saved"
+    step: int = Field(ge=0)
+    path: str
+    total_steps: int
+    consumed_samples: int
+    total_valid_tokens: int
+    metric: float | None = None
+    seconds: float = 0.0
+
+
+class RunStopped(EventPayload):
+    """The attempt ended, and why."""
+
+    event_type: ClassVar[str] = "run_stopped"
+    reason: Literal["completed", "budget_reached", "interrupted", "failed", "timeout"]
+    last_step: int = Field(ge=0)
+    error: str | None = None
+
+
+class LogRepaired(EventPayload):
+    """A torn last line (a crash mid-write) was cut off when the log was reopened."""
+
+    event_type: ClassVar[str] = "log_repaired"
+    dropped_bytes: int = Field(ge=1)
+    at_line: int = Field(ge=1)
+    reason: str
+
+
+EVENT_TYPES: dict[str, type[EventPayload]] = {
+    cls.event_type: cls
+    for cls in (
+        RunStarted,
+        LoadersReady,
+        StepCommitted,
+        StepAborted,
+        CheckpointSaved,
+        RunStopped,
+        LogRepaired,
+    )
+}
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+# (event type, version it reads) -> function returning the data at version + 1.
+UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+
+def current_version(type_: str) -> int:
+    return EVENT_TYPES[type_].model_fields["schema_version"].default
+
+
+def upcast(type_: str, data: dict[str, Any]) -> dict[str, Any]:
+    """Bring a stored payload up to the current schema version of its type.
+
+    Raises KeyError for an unknown type and ValueError for a version newer than this
+    release knows, or an old version with no upgrade path.
+    """
+    target = current_version(type_)
+    version = data.get("schema_version", 1)
+    if not isinstance(version, int) or version > target:
+        raise ValueError(
+            f"{type_} schema_version {version!r} is newer than this release reads ({target})"
+        )
+    while version < target:
+        step = UPCASTERS.get((type_, version))
+        if step is None:
+            raise ValueError(f"no upgrade of {type_} from schema_version {version}")
+        data = step(dict(data))
+        version = data["schema_version"]
+    return data
+
+
+def parse_payload(type_: str, data: dict[str, Any]) -> EventPayload:
+    """Validate stored data as its payload model (after upcasting)."""
+    return EVENT_TYPES[type_].model_validate(upcast(type_, data))

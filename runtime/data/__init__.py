@@ -1,0 +1,1 @@
+"""The energon data path: preparation, tokenizer, task encoder, packing, colocated loader."""

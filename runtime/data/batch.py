@@ -1,0 +1,92 @@
+"""The batch contract between the colocated loader and the policy worker.
+
+A batch is built inside the worker that trains on it and never leaves that process; the
+controller only sees the `StepEnvelope`. Both sides import these two types, so this module
+is the one place the layout of a batch is written down.
+
+Token layout (the model predicts token t from tokens < t of the same segment):
+
+- ``input_ids[r, t]``: token ids, PAD where ``segment_ids[r, t] == -1``.
+- ``loss_mask[r, t]``: 1.0 when token t is a supervised target (an assistant token that is
+  not the first token of its segment), else 0.0. The loss at t uses the logits at t - 1.
+- ``position_ids[r, t]``: position inside the token's own segment (restarts at 0 for every
+  packed sample), 0 on padding.
+- ``segment_ids[r, t]``: index of the packed sample inside row r (0, 1, ...), -1 on padding.
+  Attention is causal and block-diagonal over segments.
+- ``cu_seqlens[r]``: cumulative sequence lengths of row r's segments, ``[0, l0, l0+l1, ...]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SFTBatch:
+    """One DP rank's share of a global batch, as tensors (rows x seq_len)."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    segment_ids: torch.Tensor
+    cu_seqlens: list[list[int]]
+    source_ids: list[str]
+    sequence_lengths: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def valid_tokens(self) -> int:
+        """Supervised target tokens of this batch (the loss normalizer's share)."""
+        return int(self.loss_mask.sum().item())
+
+    def rows(self, start: int, stop: int) -> SFTBatch:
+        """Rows [start, stop) as a micro-batch (source ids are kept whole, for bookkeeping)."""
+        return SFTBatch(
+            input_ids=self.input_ids[start:stop],
+            loss_mask=self.loss_mask[start:stop],
+            position_ids=self.position_ids[start:stop],
+            segment_ids=self.segment_ids[start:stop],
+            cu_seqlens=self.cu_seqlens[start:stop],
+            source_ids=self.source_ids,
+            sequence_lengths=self.sequence_lengths,
+        )
+
+
+@dataclass(frozen=True)
+class StepEnvelope:
+    """What the controller learns about a loaded batch: metadata only, never tensors."""
+
+    logical_rank: int
+    logical_world_size: int
+    source_ids: list[str]
+    field_names: list[str]
+    sequence_lengths: list[int]
+    load_seconds: float
+    valid_tokens: int
+    physical_packs: int
+    extra: dict = field(default_factory=dict)
+
+
+class BatchSource(Protocol):
+    """The colocated loader as the worker sees it (one per logical DP rank)."""
+
+    def setup(self, restored_state: dict | None = None) -> None: ...
+
+    def load(self) -> StepEnvelope: ...
+
+    @property
+    def active_batch(self) -> SFTBatch: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def close(self) -> None: ...

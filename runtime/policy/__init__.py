@@ -1,0 +1,1 @@
+"""Policy workers: the model, the loss, data-parallel training on Ray, checkpoints."""

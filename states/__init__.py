@@ -1,0 +1,21 @@
+"""The controller's state machine and the save state it folds events into.
+
+Depends on `events/` only; never imports ray or torch.
+"""
+
+from states.machine import STATES, TRANSITIONS, ControllerModel, ControllerState, build_machine
+from states.rules import StepRules
+from states.save_state import SFTV2SaveState, apply, initial_save_state, replay
+
+__all__ = [
+    "STATES",
+    "TRANSITIONS",
+    "ControllerModel",
+    "ControllerState",
+    "SFTV2SaveState",
+    "StepRules",
+    "apply",
+    "build_machine",
+    "initial_save_state",
+    "replay",
+]

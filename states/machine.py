@@ -1,0 +1,196 @@
+"""The controller as one table of states and transitions (a `transitions` machine).
+
+The loop in the controller only fires triggers; the table says which moves exist, the
+guards (from `StepRules`) pick the branch, and the callbacks named in the table append the
+events and fold them into the save state. There are no side doors: auto transitions are
+off and a trigger that is not in the table for the current state raises `MachineError`.
+
+Guards of ``commit`` look at the save state the step *would* produce, because transitions
+evaluates conditions before the callback that records the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from transitions import EventData, Machine
+
+from events.log import EventLog
+from events.schemas import EventPayload, LogRepaired, RunStopped, StepAborted
+from states.rules import StepRules
+from states.save_state import SFTV2SaveState, apply, initial_save_state, step_committed
+
+
+class ControllerState(Enum):
+    """Member names are the names the table uses (transitions keys states by name)."""
+
+    setup = "setup"
+    loading = "loading"
+    stepping = "stepping"
+    saving = "saving"
+    closing = "closing"
+    closed = "closed"
+
+
+STATES = list(ControllerState)
+
+TRANSITIONS: list[dict[str, Any]] = [
+    {"trigger": "start", "source": "setup", "dest": None, "before": "record"},
+    {"trigger": "loaders_ready", "source": "setup", "dest": "loading", "before": "record"},
+    {"trigger": "halt", "source": "loading", "dest": "closing", "conditions": "should_stop"},
+    {"trigger": "batch_loaded", "source": "loading", "dest": "stepping"},
+    {
+        "trigger": "commit",
+        "source": "stepping",
+        "dest": "saving",
+        "conditions": "save_due",
+        "before": "record_step",
+    },
+    {
+        "trigger": "commit",
+        "source": "stepping",
+        "dest": "closing",
+        "conditions": "should_stop",
+        "before": "record_step",
+    },
+    {"trigger": "commit", "source": "stepping", "dest": "loading", "before": "record_step"},
+    {"trigger": "fail", "source": "stepping", "dest": "closing", "before": "record_abort"},
+    {"trigger": "fail", "source": ["setup", "loading", "saving"], "dest": "closing"},
+    {
+        "trigger": "saved",
+        "source": "saving",
+        "dest": "closing",
+        "conditions": "should_stop",
+        "before": "record",
+    },
+    {"trigger": "saved", "source": "saving", "dest": "loading", "before": "record"},
+    {"trigger": "close", "source": ["setup", "loading"], "dest": "closing"},
+    {"trigger": "finish", "source": "closing", "dest": "closed", "after": "record_stop"},
+]
+
+
+class ControllerModel:
+    """The model the machine drives: save state, rules, the log, and the recording callbacks.
+
+    ``log`` may be None (nothing recorded, e.g. a dry run); ``clock`` is injectable so guards
+    stay pure in tests.
+    """
+
+    if TYPE_CHECKING:  # trigger methods that `Machine` binds at runtime
+
+        def start(self, *, event: EventPayload) -> bool: ...
+        def loaders_ready(self, *, event: EventPayload) -> bool: ...
+        def halt(self) -> bool: ...
+        def batch_loaded(self) -> bool: ...
+        def commit(self, *, event: EventPayload) -> bool: ...
+        def fail(self, *, error: BaseException, phase: str = "", **ids: Any) -> bool: ...
+        def saved(self, *, event: EventPayload) -> bool: ...
+        def close(self) -> bool: ...
+        def finish(self, *, reason: str, error: str | None = None) -> bool: ...
+        def may_halt(self) -> bool: ...
+
+        state: ControllerState
+
+    def __init__(
+        self,
+        rules: StepRules,
+        *,
+        log: EventLog | None = None,
+        save_state: SFTV2SaveState | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.rules = rules
+        self.log = log
+        self.save_state = save_state or initial_save_state()
+        self.clock = clock
+        self.stop_requested = False
+        self.machine = build_machine(self)
+
+    # -- guards ---------------------------------------------------------------------------
+    def _prospective(self, event: EventData) -> SFTV2SaveState:
+        payload = event.kwargs.get("event")
+        if payload is None or payload.event_type != "step_committed":
+            return self.save_state
+        cached = getattr(event, "_next_save_state", None)
+        if cached is None:
+            cached = step_committed(self.save_state, payload.model_dump())
+            event._next_save_state = cached
+        return cached
+
+    def save_due(self, event: EventData) -> bool:
+        state = self._prospective(event)
+        return self.rules.save_due(state, now=self.clock(), stopping=self.stop_requested)
+
+    def should_stop(self, event: EventData) -> bool:
+        state = self._prospective(event)
+        return self.rules.should_stop(state, now=self.clock(), stopping=self.stop_requested)
+
+    # -- callbacks: the only places events are appended -----------------------------------
+    def _append(self, payload: EventPayload) -> None:
+        if self.log is not None:
+            record = self.log.append(payload)
+            self.save_state = apply(self.save_state, record)
+        elif payload.event_type == "step_committed":
+            self.save_state = step_committed(self.save_state, payload.model_dump())
+
+    def record(self, event: EventData) -> None:
+        self._append(event.kwargs["event"])
+
+    def record_step(self, event: EventData) -> None:
+        self._append(event.kwargs["event"])
+
+    def record_abort(self, event: EventData) -> None:
+        error: BaseException = event.kwargs["error"]
+        self._append(
+            StepAborted(
+                step=self.save_state.total_steps + 1,
+                phase=event.kwargs.get("phase") or "stepping",
+                error_type=type(error).__name__,
+                error=str(error)[:2000],
+                trace_id=event.kwargs.get("trace_id"),
+                span_id=event.kwargs.get("span_id"),
+            )
+        )
+
+    def record_stop(self, event: EventData) -> None:
+        self._append(
+            RunStopped(
+                reason=event.kwargs["reason"],
+                last_step=self.save_state.total_steps,
+                error=event.kwargs.get("error"),
+            )
+        )
+
+    @property
+    def repaired(self) -> LogRepaired | None:
+        return None if self.log is None else self.log.repaired
+
+
+def build_machine(model: ControllerModel) -> Machine:
+    """Attach the one table to a model."""
+    return Machine(
+        model=model,
+        states=ControllerState,
+        transitions=TRANSITIONS,
+        initial=ControllerState.setup,
+        auto_transitions=False,
+        send_event=True,
+        queued=False,
+    )
+
+
+def mermaid() -> str:
+    """The table as a Mermaid state diagram, for the README."""
+    lines = ["stateDiagram-v2", "    [*] --> setup"]
+    for row in TRANSITIONS:
+        sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
+        label = row["trigger"]
+        if "conditions" in row:
+            label += f" [{row['conditions']}]"
+        for source in sources:
+            lines.append(f"    {source} --> {row['dest'] or source}: {label}")
+    lines.append("    closed --> [*]")
+    return "\n".join(lines)

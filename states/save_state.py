@@ -1,0 +1,113 @@
+"""`SFTV2SaveState` and the pure fold that rebuilds it from the log.
+
+The save state is what a resume must agree on: how many optimizer steps are done, how many
+source samples and supervised tokens they consumed, and the placement the loaders were
+sharded for. It changes only when a step commits, so it always sits on an optimizer-step
+boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from events.lineage import LogLike, records_in_effect
+from events.record import Record
+
+
+@dataclass(frozen=True, slots=True)
+class SFTV2SaveState:
+    """Training progress at an optimizer-step boundary."""
+
+    total_steps: int = 0
+    consumed_samples: int = 0
+    total_valid_tokens: int = 0
+    placement_hash: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SFTV2SaveState:
+        missing = [
+            k for k in ("total_steps", "consumed_samples", "total_valid_tokens") if k not in data
+        ]
+        if missing:
+            raise ValueError(f"save state is missing {', '.join(missing)}")
+        return cls(
+            total_steps=int(data["total_steps"]),
+            consumed_samples=int(data["consumed_samples"]),
+            total_valid_tokens=int(data["total_valid_tokens"]),
+            placement_hash=str(data.get("placement_hash", "")),
+        )
+
+
+def initial_save_state(placement_hash: str = "") -> SFTV2SaveState:
+    return SFTV2SaveState(placement_hash=placement_hash)
+
+
+def _run_started(state: SFTV2SaveState, data: dict[str, Any]) -> SFTV2SaveState:
+    return SFTV2SaveState(
+        state.total_steps, state.consumed_samples, state.total_valid_tokens, data["placement_hash"]
+    )
+
+
+def step_committed(state: SFTV2SaveState, data: dict[str, Any]) -> SFTV2SaveState:
+    step = data["step"]
+    if step != state.total_steps + 1:
+        raise ValueError(f"step {step} cannot follow total_steps {state.total_steps}")
+    return SFTV2SaveState(
+        step,
+        state.consumed_samples + data["source_samples"],
+        state.total_valid_tokens + data["valid_tokens"],
+        state.placement_hash,
+    )
+
+
+def _checkpoint_saved(state: SFTV2SaveState, data: dict[str, Any]) -> SFTV2SaveState:
+    saved = (data["total_steps"], data["consumed_samples"], data["total_valid_tokens"])
+    folded = (state.total_steps, state.consumed_samples, state.total_valid_tokens)
+    if saved != folded:
+        raise ValueError(
+            f"checkpoint of step {data['step']} records (steps, samples, tokens) = {saved} "
+            f"but the log folds to {folded}"
+        )
+    return state
+
+
+_HANDLERS: dict[str, Callable[[SFTV2SaveState, dict[str, Any]], SFTV2SaveState]] = {
+    "run_started": _run_started,
+    "step_committed": step_committed,
+    "checkpoint_saved": _checkpoint_saved,
+}
+
+
+def apply(state: SFTV2SaveState, record: Record) -> SFTV2SaveState:
+    """Fold one record into the save state; types that do not move it leave it as is."""
+    handler = _HANDLERS.get(record.type)
+    return state if handler is None else handler(state, record.data)
+
+
+def replay(log: LogLike, until_step: int | None = None) -> SFTV2SaveState:
+    """The save state after the records in effect, stopping after step ``until_step``.
+
+    Raises `events.LineageError` (naming the line) when a record cannot be folded.
+    """
+    from events.errors import LineageError
+
+    state = initial_save_state()
+    for rec in records_in_effect(log):
+        if (
+            until_step is not None
+            and rec.type == "step_committed"
+            and rec.data["step"] > until_step
+        ):
+            break
+        try:
+            state = apply(state, rec)
+        except ValueError as exc:
+            raise LineageError(getattr(log, "path", str(log)), rec.line, str(exc)) from None
+    if until_step is not None and state.total_steps < until_step:
+        raise ValueError(f"the log ends at step {state.total_steps}, before step {until_step}")
+    return state
