@@ -4,7 +4,15 @@ Nothing here imports ray or torch: a log can be read, verified and replayed on a
 """
 
 from events.errors import EventLogCorrupted, EventLogError, EventLogLocked, LineageError
-from events.lineage import Attempt, Divergence, History, divergence, history, records_in_effect
+from events.lineage import (
+    Attempt,
+    Divergence,
+    History,
+    compare_reexecutions,
+    divergence,
+    history,
+    records_in_effect,
+)
 from events.log import EventLog, open_log, read_log
 from events.record import Record
 from events.schemas import (
@@ -38,6 +46,7 @@ __all__ = [
     "RunStopped",
     "StepAborted",
     "StepCommitted",
+    "compare_reexecutions",
     "divergence",
     "history",
     "open_log",

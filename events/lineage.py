@@ -49,10 +49,14 @@ def _origin(log: LogLike, records: Iterable[Record]) -> str:
 
 def resume_limits(records: Iterable[Record]) -> dict[int, float]:
     """attempt -> the highest step of that attempt still in effect (inf when none rolled back)."""
-    resumes: list[tuple[int, int]] = []
-    for rec in records:
-        if rec.type == "run_started":
-            resumes.append((rec.attempt, rec.data.get("resumed_from_step") or 0))
+    if isinstance(records, LogReader):
+        resumes = records.resume_points()
+    else:
+        resumes = [
+            (rec.attempt, rec.data.get("resumed_from_step") or 0)
+            for rec in records
+            if rec.type == "run_started"
+        ]
     limits: dict[int, float] = {}
     floor = math.inf
     for attempt, resumed in reversed(resumes):
@@ -127,7 +131,7 @@ class Attempt:
 
     @property
     def outcome(self) -> str:
-        return self.stop_reason or "no run_stopped record (crashed, killed or still running)"
+        return self.stop_reason or "no run_stopped (crashed, killed or running)"
 
 
 @dataclass

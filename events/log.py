@@ -14,11 +14,14 @@ import time as _time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import orjson
+
 from events.errors import EventLogError, EventLogLocked
-from events.record import Record, encode
+from events.record import _SUFFIX_LEN, Record, encode
 from events.scan import ScanState, scan_lines
 from events.schemas import EventPayload, LogRepaired
 
+_RUN_STARTED = b'"type":"run_started"'
 LOG_NAME = "events.jsonl"
 LOCK_NAME = "events.lock"
 DURABLE_TYPES = frozenset(
@@ -50,6 +53,24 @@ class LogReader:
     @property
     def torn_bytes(self) -> int:
         return self.state.torn_bytes
+
+    def resume_points(self) -> list[tuple[int, int]]:
+        """(attempt, resumed_from_step or 0) of every run_started, without a full parse.
+
+        Sorted keys put ``"type"`` last before the digest, so a run_started line is found by
+        its ending. The lines are not verified here: callers also make a verifying pass,
+        which raises on any damage before a result is returned.
+        """
+        points = []
+        with open(self.path, "rb", buffering=1 << 20) as fh:
+            for raw in fh:
+                if raw[: -_SUFFIX_LEN - 1].endswith(_RUN_STARTED):
+                    try:
+                        f = orjson.loads(raw)
+                        points.append((f["attempt"], f["data"].get("resumed_from_step") or 0))
+                    except (orjson.JSONDecodeError, KeyError, AttributeError, TypeError):
+                        continue  # the verifying pass reports this line
+        return points
 
 
 def read_log(path: Path | str, *, validate: bool = False) -> LogReader:

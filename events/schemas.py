@@ -118,13 +118,18 @@ EVENT_TYPES: dict[str, type[EventPayload]] = {
     )
 }
 
+# type -> current schema version, read once (the scan loop checks it for every line)
+VERSIONS: dict[str, int] = {
+    t: c.model_fields["schema_version"].default for t, c in EVENT_TYPES.items()
+}
+
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 # (event type, version it reads) -> function returning the data at version + 1.
 UPCASTERS: dict[tuple[str, int], Upcaster] = {}
 
 
 def current_version(type_: str) -> int:
-    return EVENT_TYPES[type_].model_fields["schema_version"].default
+    return VERSIONS[type_]
 
 
 def upcast(type_: str, data: dict[str, Any]) -> dict[str, Any]:

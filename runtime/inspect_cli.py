@@ -13,7 +13,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from events import compare_reexecutions, history, read_log
-from events.errors import EventLogError
 from events.log import log_path
 from runtime.errors import UserInputError
 
@@ -56,7 +55,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
     reader = _reader(args.run_dir)
     hist = history(reader)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)
     table = Table(title=f"{reader.path} ({hist.records} records)")
     for col in ("attempt", "started (UTC)", "resumed from", "steps", "rolled back", "aborts"):
         table.add_column(col)
@@ -107,8 +106,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         state = replay(reader, until_step=args.step)
     except ValueError as exc:
-        if isinstance(exc, EventLogError):
-            raise
         raise UserInputError(f"{reader.path}: {exc}") from None
     if args.json:
         print(json.dumps(state.to_dict(), sort_keys=True))
@@ -136,4 +133,3 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 1
     print(f"re-executed steps compared: {compared}, divergent: 0")
     return 0
-

@@ -1,0 +1,99 @@
+"""Event log cost: appends (plain and fsynced) and replay of a 1M-record log vs bare parsing.
+
+Run: python bench/events.py [--records 1000000] [--appends 100000] [--durable 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.table import Row, render  # noqa: E402
+from events import LoadersReady, RunStarted, StepCommitted, open_log, read_log  # noqa: E402
+from states import replay  # noqa: E402
+
+
+def _step(step: int) -> StepCommitted:
+    return StepCommitted(
+        step=step,
+        source_samples=32,
+        valid_tokens=4000 + step % 97,
+        physical_packs=32,
+        loss=1.0 / (1 + step),
+        grad_norm=0.25,
+        lr=3e-4,
+        timings={"loader_latency_max": 0.001, "policy_time": 0.04, "total_step_time": 0.045},
+        sample_digests=["0123456789abcdef", "fedcba9876543210"],
+        trace_id="0" * 32,
+        span_id="0" * 16,
+    )
+
+
+def _append(run_dir: Path, count: int, durable: bool, start: int = 1) -> float:
+    with open_log(run_dir, fsync=True) as log:
+        if log.next_seq == 0:
+            log.append(RunStarted(placement_hash="h" * 64))
+            log.append(LoadersReady(owner_ranks=[0, 1], logical_world_size=2, restored=False))
+        events = [_step(s) for s in range(start, start + count)]
+        t0 = time.perf_counter()
+        for ev in events:
+            log.append(ev, durable=durable)
+        return time.perf_counter() - t0
+
+
+def _bare_parse(path: Path) -> float:
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=1 << 20) as fh:
+        for line in fh:
+            orjson.loads(line)
+    return time.perf_counter() - t0
+
+
+def run(records: int = 1_000_000, appends: int = 100_000, durable: int = 2_000) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        plain_dir, durable_dir, big_dir = Path(tmp, "plain"), Path(tmp, "durable"), Path(tmp, "big")
+        secs = _append(plain_dir, appends, durable=False)
+        rows.append(Row(f"append ({appends:,} records, no fsync)", appends / secs, "records/s"))
+        secs = _append(durable_dir, durable, durable=True)
+        ms = 1000 * secs / durable
+        rows.append(
+            Row(f"durable append ({durable:,}, fsync)", ms, "ms/record", target="< 2 ms", ok=ms < 2)
+        )
+        _append(big_dir, records - 2, durable=False)
+        path = big_dir / "events.jsonl"
+        bare = min(_bare_parse(path) for _ in range(2))
+        t0 = time.perf_counter()
+        state = replay(read_log(path))
+        secs = time.perf_counter() - t0
+        assert state.total_steps == records - 2
+        ratio = secs / bare
+        rows.append(
+            Row(
+                f"replay ({records:,} records)",
+                records / secs,
+                "records/s",
+                reference=records / bare,
+                ratio=ratio,
+                target="time <= 3x bare orjson.loads",
+                ok=ratio <= 3,
+            )
+        )
+        rows.append(Row("log size", path.stat().st_size / 2**20, "MiB"))
+    return [r.as_dict() for r in rows]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--appends", type=int, default=100_000)
+    parser.add_argument("--durable", type=int, default=2_000)
+    a = parser.parse_args()
+    print(render(run(a.records, a.appends, a.durable)))
