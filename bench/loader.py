@@ -1,0 +1,161 @@
+"""Colocated loader cost: samples/s against plain energon with the same task encoder, and the
+cost of state_dict() and abort().
+
+Both sides read the same demo data set with the same encoder, batch size and packing, measured
+in the same run, alternating, best of a few rounds (the machine is shared).
+
+Run: python bench/loader.py [--samples 2048] [--batches 48] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.table import Row, render  # noqa: E402
+from runtime.data.config import LoaderSpec  # noqa: E402
+from runtime.data.demo import build_demo_dataset  # noqa: E402
+from runtime.data.loader import ColocatedLoader  # noqa: E402
+
+BATCH = 32
+SEQ = 256
+PACKING = {"packing_algorithm": "first_fit_decreasing", "packing_buffer_size": 128}
+
+
+def _spec(path: Path, packing: bool) -> LoaderSpec:
+    return LoaderSpec(
+        data_path=str(path),
+        batch_size=BATCH,
+        seed=1,
+        shuffle_buffer_size=64,
+        max_input_seq_length=SEQ,
+        pad_multiple=8,
+        **(PACKING if packing else {}),
+    )
+
+
+def _plain_energon(spec: LoaderSpec, batches: int) -> float:
+    """samples/s of a bare energon loop over the same data set and task encoder."""
+    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+    from runtime.data.task_encoder import SFTTaskEncoder
+    from runtime.data.tokenizer import build_tokenizer
+
+    encoder = SFTTaskEncoder(
+        build_tokenizer(spec.tokenizer),
+        max_input_seq_length=spec.max_input_seq_length,
+        pad_multiple=spec.pad_multiple,
+        packing_algorithm=spec.packing_algorithm,
+    )
+    dataset = get_train_dataset(
+        spec.data_path,
+        split_part="train",
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0, seed_offset=spec.seed),
+        batch_size=spec.batch_size,
+        shuffle_buffer_size=spec.shuffle_buffer_size,
+        max_samples_per_sequence=None,
+        packing_buffer_size=spec.packing_buffer_size,
+        task_encoder=encoder,
+    )
+    loader = get_savable_loader(dataset, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None)
+    it = iter(loader)
+    next(it)  # fill buffers outside the clock, like the other side
+    start, samples = time.perf_counter(), 0
+    for _ in range(batches):
+        samples += len(next(it).source_ids)
+    return samples / (time.perf_counter() - start)
+
+
+def _ours(spec: LoaderSpec, batches: int) -> float:
+    loader = ColocatedLoader(spec, 0, 1, "bench")
+    loader.setup()
+    try:
+        loader.load()
+        loader.commit()
+        start, samples = time.perf_counter(), 0
+        for _ in range(batches):
+            samples += len(loader.load().source_ids)
+            loader.commit()
+        return samples / (time.perf_counter() - start)
+    finally:
+        loader.close()
+
+
+def _per_call_ms(spec: LoaderSpec, calls: int) -> tuple[float, float]:
+    """Median ms of state_dict() and of abort() (abort includes the loader rebuild)."""
+    loader = ColocatedLoader(spec, 0, 1, "bench")
+    loader.setup()
+    state_ms, abort_ms = [], []
+    try:
+        for _ in range(calls):
+            loader.load()
+            loader.commit()
+            t0 = time.perf_counter()
+            loader.state_dict()
+            state_ms.append((time.perf_counter() - t0) * 1e3)
+            loader.load()
+            t0 = time.perf_counter()
+            loader.abort()
+            abort_ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        loader.close()
+    return sorted(state_ms)[len(state_ms) // 2], sorted(abort_ms)[len(abort_ms) // 2]
+
+
+def run(samples: int = 2048, batches: int = 48, rounds: int = 3) -> list[dict]:
+    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_demo_dataset(Path(tmp) / "demo", num_samples=samples)
+        for packing in (False, True):
+            spec = _spec(path, packing)
+            plain, ours = 0.0, 0.0
+            for _ in range(rounds):
+                plain = max(plain, _plain_energon(spec, batches))
+                ours = max(ours, _ours(spec, batches))
+            ratio = ours / plain
+            label = "packed" if packing else "unpacked"
+            rows.append(
+                Row(
+                    name=f"loader samples/s ({label}, batch {BATCH})",
+                    value=ours,
+                    unit="samples/s",
+                    reference=plain,
+                    ratio=ratio,
+                    target=">= 0.8x plain energon",
+                    ok=ratio >= 0.8,
+                )
+            )
+        state_ms, abort_ms = _per_call_ms(_spec(path, False), calls=30)
+        rows.append(
+            Row(
+                name="state_dict() (num_workers=0)",
+                value=state_ms,
+                unit="ms",
+                target="< 5 ms",
+                ok=state_ms < 5.0,
+            )
+        )
+        rows.append(Row(name="abort() incl. loader rebuild", value=abort_ms, unit="ms"))
+    return [row.as_dict() for row in rows]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--batches", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    rows = run(samples=args.samples, batches=args.batches, rounds=args.rounds)
+    print(render(rows))
+    return 0 if all(r["ok"] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

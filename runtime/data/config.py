@@ -1,0 +1,164 @@
+"""The data section of the run config, and the flat spec one loader is built from.
+
+The section models reject unknown keys so a typo in a YAML file is an error that names the key
+instead of a silently ignored setting. `LoaderSpec` is what crosses the Ray boundary to the
+worker that owns a loader: flat, frozen and picklable, with every value already resolved
+(per-rank batch size, packing on or off), so the worker never needs the whole run config.
+
+Epochs: ``train.virtual_epoch_length`` is the number of optimizer steps in one epoch. Each step
+takes one batch from every logical rank's loader, so an epoch is that many consecutive batches
+of each rank's endless energon stream (energon repeats and reshuffles the rank's share of the
+data by itself, seeded). The loader counts epochs in committed steps rather than using energon's
+``virtual_epoch_length``, which loses the worker order on resume with worker processes. With
+``virtual_epoch_length x global batch == samples`` (and no shuffle buffer) each epoch covers the
+data set exactly once.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from runtime.data.packing import PACKING_ALGORITHMS
+from runtime.data.tokenizer import TokenizerSpec
+from runtime.errors import UserInputError
+
+TokenizerConfig = TokenizerSpec
+"""The ``tokenizer`` section: ``name: byte`` (default) or ``name: huggingface, path: DIR``."""
+
+PackingAlgorithm = Literal[
+    "concatenative", "first_fit_decreasing", "first_fit_shuffle", "greedy_knapsack"
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EnergonConfig(_Section):
+    """Settings handed to energon's loader (per logical DP rank)."""
+
+    num_workers: int = Field(0, ge=0)
+    shuffle_buffer_size: int | None = Field(..., ge=1)
+    packing_buffer_size: int | None = Field(None, ge=1)
+    topology_mapper: str = "default"
+
+
+class TrainDataConfig(_Section):
+    """Where the training samples come from and how long an epoch is (in steps)."""
+
+    path: str
+    split: str = "train"
+    virtual_epoch_length: int = Field(..., ge=1)
+
+
+class ValidationDataConfig(_Section):
+    """Optional validation data (same prepared data set layout)."""
+
+    path: str
+    split: str = "val"
+
+
+class DataConfig(_Section):
+    """The ``data`` section of the run config."""
+
+    backend: Literal["energon"] = "energon"
+    max_input_seq_length: int = Field(..., ge=2)
+    train: TrainDataConfig
+    energon: EnergonConfig
+    validation: ValidationDataConfig | None = None
+
+
+class SequencePackingConfig(_Section):
+    """Whether and how samples are packed into rows of ``max_input_seq_length`` tokens."""
+
+    enabled: bool = False
+    algorithm: PackingAlgorithm = "first_fit_decreasing"
+    max_sequences_per_bin: int | None = Field(None, ge=1)
+
+
+class LoaderSpec(BaseModel):
+    """Everything one colocated loader needs, resolved and flat (see module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data_path: str
+    split: str = "train"
+    batch_size: int = Field(..., ge=1)
+    seed: int = 0
+    shuffle_buffer_size: int | None = None
+    num_workers: int = Field(0, ge=0)
+    max_input_seq_length: int = Field(..., ge=2)
+    pad_multiple: int = Field(1, ge=1)
+    packing_algorithm: PackingAlgorithm | None = None
+    packing_buffer_size: int | None = Field(None, ge=1)
+    max_sequences_per_bin: int | None = Field(None, ge=1)
+    only_unmask_final: bool = False
+    virtual_epoch_length: int = Field(0, ge=0)
+    tokenizer: TokenizerSpec = TokenizerSpec()
+
+    @model_validator(mode="after")
+    def _packing_is_whole(self) -> LoaderSpec:
+        if (self.packing_algorithm is None) != (self.packing_buffer_size is None):
+            raise ValueError("packing_algorithm and packing_buffer_size go together")
+        return self
+
+    @property
+    def packing(self) -> bool:
+        return self.packing_algorithm is not None
+
+
+def build_loader_spec(
+    data: DataConfig,
+    *,
+    global_batch_size: int,
+    logical_world_size: int,
+    seed: int = 0,
+    packing: SequencePackingConfig | None = None,
+    tokenizer: TokenizerSpec | None = None,
+    make_sequence_length_divisible_by: int = 1,
+    only_unmask_final: bool = False,
+) -> LoaderSpec:
+    """Resolve the config sections into the spec every logical rank's loader is built from.
+
+    The global batch is split evenly over the logical DP ranks (rows per rank; with packing a
+    row is a pack). Packing is on when ``sequence_packing.enabled``; its sample buffer is
+    ``data.energon.packing_buffer_size`` or, when unset, eight rows' worth per rank.
+    """
+    if logical_world_size < 1:
+        raise UserInputError(f"logical DP world size must be >= 1, got {logical_world_size}")
+    if global_batch_size < 1 or global_batch_size % logical_world_size:
+        raise UserInputError(
+            f"policy.train_global_batch_size ({global_batch_size}) must be a positive multiple "
+            f"of the data-parallel size ({logical_world_size})"
+        )
+    packing = packing or SequencePackingConfig()
+    per_rank = global_batch_size // logical_world_size
+    buffer = data.energon.packing_buffer_size
+    if packing.enabled:
+        algorithm = packing.algorithm
+        buffer = buffer or 8 * per_rank
+    else:
+        if buffer is not None:
+            raise UserInputError(
+                "data.energon.packing_buffer_size is set but sequence_packing.enabled is false"
+            )
+        algorithm = None
+    assert algorithm is None or algorithm in PACKING_ALGORITHMS
+    return LoaderSpec(
+        data_path=data.train.path,
+        split=data.train.split,
+        batch_size=per_rank,
+        seed=seed,
+        shuffle_buffer_size=data.energon.shuffle_buffer_size,
+        num_workers=data.energon.num_workers,
+        max_input_seq_length=data.max_input_seq_length,
+        pad_multiple=make_sequence_length_divisible_by,
+        packing_algorithm=algorithm,
+        packing_buffer_size=buffer,
+        max_sequences_per_bin=packing.max_sequences_per_bin,
+        only_unmask_final=only_unmask_final,
+        virtual_epoch_length=data.train.virtual_epoch_length,
+        tokenizer=tokenizer or TokenizerSpec(),
+    )

@@ -1,0 +1,328 @@
+"""The colocated loader: one energon loader per logical DP rank, living in the worker.
+
+The batch never leaves the worker; `load()` returns only a `StepEnvelope`. The loader keeps two
+energon states: the one taken just before the active batch was fetched (`abort()` restores it
+into a fresh energon loader, because energon cannot rewind a loader in place, so the next
+`load()` delivers exactly the same samples) and, implicitly, the current one after a `commit()`
+(what `state_dict()` returns). Every saved state carries a fingerprint of everything that
+shapes the sample stream; restoring under a different setting fails with the list of changes
+instead of silently training on a different stream.
+
+Epochs: energon delivers one endless, seeded, repeated stream per rank; a virtual epoch is
+``virtual_epoch_length`` consecutive committed batches of it (`StepEnvelope.extra["epoch"]`).
+energon's own epochizing is not used because, with worker processes, a loader restored mid
+epoch rotates the worker order after its next epoch boundary, which breaks exact resume.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from runtime.data.batch import SFTBatch, StepEnvelope
+from runtime.data.config import LoaderSpec
+from runtime.data.tokenizer import build_tokenizer
+from runtime.errors import UserInputError
+
+STATE_FORMAT = "sft_v2_colocated_loader"
+STATE_VERSION = 1
+FIELD_NAMES = ["input_ids", "loss_mask", "position_ids", "segment_ids", "cu_seqlens"]
+
+
+class LoaderStateMismatchError(UserInputError):
+    """A saved loader state was taken under different settings than the loader restoring it."""
+
+
+def _dataset_uuid(path: Path) -> str | None:
+    try:
+        return (path / ".nv-meta" / "index.uuid").read_text().strip()
+    except OSError:
+        return None
+
+
+def check_fingerprint(saved: dict, current: dict) -> None:
+    """Raise `LoaderStateMismatchError` listing every setting that differs (old -> new)."""
+    keys = sorted(set(saved) | set(current))
+    changes = [
+        f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
+        for key in keys
+        if saved.get(key) != current.get(key)
+    ]
+    if changes:
+        raise LoaderStateMismatchError(
+            "cannot restore the data loader state, settings changed since it was saved: "
+            + "; ".join(changes)
+        )
+
+
+def _close_tar_readers(root: Any) -> None:
+    """Close the tar/index file handles of every energon data set under `root`.
+
+    energon leaves them to the garbage collector, and the loader objects sit in reference
+    cycles, so without this every rebuilt loader (each abort) keeps its shards open until the
+    next cyclic collection.
+    """
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for reader in getattr(node, "join_readers", None) or ():
+            reader.close()
+            offsets = getattr(reader, "cached_offset_reader", None)
+            cache = getattr(offsets, "tar_index_reader_cache", None) or {}
+            for entry in cache.values():
+                entry.tar_index_reader.close()
+            cache.clear()
+        stack.append(getattr(node, "dataset", None))
+        for item in getattr(node, "datasets", None) or ():
+            stack.append(item[0] if isinstance(item, tuple) else item)
+
+
+class ColocatedLoader:
+    """One logical DP rank's energon loader with load / commit / abort (see module docstring)."""
+
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        logical_rank: int,
+        logical_world_size: int,
+        placement_hash: str,
+    ) -> None:
+        if logical_world_size < 1 or not 0 <= logical_rank < logical_world_size:
+            raise ValueError(
+                f"logical_rank {logical_rank} out of range for world size {logical_world_size}"
+            )
+        self.spec = spec
+        self.logical_rank = logical_rank
+        self.logical_world_size = logical_world_size
+        self.placement_hash = placement_hash
+        self._data_path = Path(spec.data_path).resolve()
+        self._tokenizer = build_tokenizer(spec.tokenizer)
+        self._loader: Any = None
+        self._iter: Any = None
+        self._active: SFTBatch | None = None
+        self._state_before_active: Any = None
+        self._committed_steps = 0
+        self._committed_samples = 0
+        self._fingerprint: dict | None = None
+
+    # -- identity ---------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict:
+        """Everything that must match for a saved state to mean the same sample stream."""
+        if self._fingerprint is None:
+            self._fingerprint = self._compute_fingerprint()
+        return dict(self._fingerprint)
+
+    def _compute_fingerprint(self) -> dict:
+        spec = self.spec
+        return {
+            "data_path": str(self._data_path),
+            "dataset_uuid": _dataset_uuid(self._data_path),
+            "split": spec.split,
+            "batch_size": spec.batch_size,
+            "seed": spec.seed,
+            "shuffle_buffer_size": spec.shuffle_buffer_size,
+            "num_workers": spec.num_workers,
+            "virtual_epoch_length": spec.virtual_epoch_length,
+            "logical_rank": self.logical_rank,
+            "logical_world_size": self.logical_world_size,
+            "placement_hash": self.placement_hash,
+            "packing_algorithm": spec.packing_algorithm,
+            "packing_buffer_size": spec.packing_buffer_size,
+            "max_sequences_per_bin": spec.max_sequences_per_bin,
+            "max_input_seq_length": spec.max_input_seq_length,
+            "pad_multiple": spec.pad_multiple,
+            "only_unmask_final": spec.only_unmask_final,
+            "tokenizer": self._tokenizer.identity(),
+        }
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def setup(self, restored_state: dict | None = None) -> None:
+        """Build the energon loader, continuing from `restored_state` when given."""
+        if self._loader is not None:
+            raise RuntimeError("setup() was already called on this loader")
+        if not (self._data_path / ".nv-meta").is_dir():
+            raise UserInputError(
+                f"data.train.path {str(self._data_path)!r}: not a prepared energon data set "
+                "(no .nv-meta; run `sft-runtime prepare-data` or `demo-data`)"
+            )
+        energon_state = None
+        if restored_state is not None:
+            if (
+                not isinstance(restored_state, dict)
+                or restored_state.get("format") != STATE_FORMAT
+                or restored_state.get("version") != STATE_VERSION
+            ):
+                raise LoaderStateMismatchError("not a colocated loader state (format/version)")
+            check_fingerprint(restored_state["fingerprint"], self.fingerprint())
+            energon_state = restored_state["energon_state"]
+            self._committed_steps = int(restored_state["committed_steps"])
+            self._committed_samples = int(restored_state["committed_samples"])
+        self._build(energon_state)
+
+    def _build(self, energon_state: Any) -> None:
+        from megatron.energon import (
+            WorkerConfig,
+            get_savable_loader,
+            get_train_dataset,
+            reraise_exception,
+        )
+
+        from runtime.data.task_encoder import SFTTaskEncoder
+
+        spec = self.spec
+        worker_config = WorkerConfig(
+            rank=self.logical_rank,
+            world_size=self.logical_world_size,
+            num_workers=spec.num_workers,
+            seed_offset=spec.seed,
+            global_error_handler=reraise_exception,
+        )
+        task_encoder = SFTTaskEncoder(
+            self._tokenizer,
+            max_input_seq_length=spec.max_input_seq_length,
+            pad_multiple=spec.pad_multiple,
+            only_unmask_final=spec.only_unmask_final,
+            packing_algorithm=spec.packing_algorithm,
+            max_sequences_per_bin=spec.max_sequences_per_bin,
+        )
+        dataset = get_train_dataset(
+            str(self._data_path),
+            split_part=spec.split,
+            worker_config=worker_config,
+            batch_size=spec.batch_size,
+            shuffle_buffer_size=spec.shuffle_buffer_size,
+            max_samples_per_sequence=None,
+            # Endless stream; our virtual epochs are counted in steps (see config.py).
+            virtual_epoch_length=0,
+            packing_buffer_size=spec.packing_buffer_size,
+            task_encoder=task_encoder,
+        )
+        extra: dict[str, Any] = {}
+        if spec.num_workers >= 2:
+            # Per-sample snapshots: otherwise a state saved in a restored loader before every
+            # worker produced again is stale, and two aborts in a row replay delivered batches.
+            extra = {"checkpoint_every_sec": 0, "checkpoint_every_min_n_samples": 1}
+        loader = get_savable_loader(
+            dataset, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None, **extra
+        )
+        if energon_state is not None:
+            loader.restore_state_rank(energon_state)
+        self._loader, self._iter = loader, None
+
+    def _release(self) -> None:
+        """Stop the energon loader: its iterator, worker processes and queues."""
+        loader, it = self._loader, self._iter
+        self._loader = self._iter = None
+        if it is not None:
+            it.close()
+        if loader is None:
+            return
+        torch_iter = getattr(loader, "_iterator", None)
+        if torch_iter is not None and hasattr(torch_iter, "_shutdown_workers"):
+            torch_iter._shutdown_workers()
+        loader._iterator = None
+        epoch_iter = getattr(loader, "_epoch_iterator", None)
+        if epoch_iter is not None:
+            epoch_iter.close()
+            loader._epoch_iterator = None
+        for queue in [*getattr(loader, "cmd_queues", []), *getattr(loader, "result_queues", [])]:
+            queue.close()
+            queue.join_thread()
+        _close_tar_readers(loader.dataset)
+
+    def close(self) -> None:
+        """Release everything; the loader cannot be used afterwards. Safe to call twice."""
+        self._active = None
+        self._state_before_active = None
+        self._release()
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _require_loader(self) -> None:
+        if self._loader is None:
+            raise RuntimeError("the loader is not set up (call setup() first) or was closed")
+
+    def _next_batch(self) -> SFTBatch:
+        if self._iter is None:
+            self._iter = iter(self._loader)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            raise RuntimeError(
+                f"{self._data_path} split {self.spec.split!r} yields no batches for "
+                f"logical rank {self.logical_rank}"
+            ) from None
+
+    def load(self) -> StepEnvelope:
+        """Fetch the next batch (kept in `active_batch`) and describe it."""
+        self._require_loader()
+        if self._active is not None:
+            raise RuntimeError("a batch is already active: commit() or abort() it first")
+        start = time.perf_counter()
+        state_before = self._loader.save_state_rank()
+        batch = self._next_batch()
+        self._state_before_active = state_before
+        self._active = batch
+        seconds = time.perf_counter() - start
+        epoch_length = self.spec.virtual_epoch_length
+        extra = {"step_index": self._committed_steps}
+        if epoch_length:
+            extra["epoch"] = self._committed_steps // epoch_length
+        return StepEnvelope(
+            logical_rank=self.logical_rank,
+            logical_world_size=self.logical_world_size,
+            source_ids=list(batch.source_ids),
+            field_names=list(FIELD_NAMES),
+            sequence_lengths=list(batch.sequence_lengths),
+            load_seconds=seconds,
+            valid_tokens=batch.valid_tokens,
+            physical_packs=batch.num_rows,
+            extra=extra,
+        )
+
+    @property
+    def active_batch(self) -> SFTBatch:
+        if self._active is None:
+            raise RuntimeError("no active batch: call load() first")
+        return self._active
+
+    def commit(self) -> None:
+        """Accept the active batch: it counts as consumed and is never delivered again."""
+        batch = self.active_batch
+        self._committed_steps += 1
+        self._committed_samples += len(batch.source_ids)
+        self._active = None
+        self._state_before_active = None
+
+    def abort(self) -> None:
+        """Drop the active batch and rewind, so the next load() delivers the same samples.
+
+        Without an active batch this does nothing (cleanup paths may call it blindly).
+        """
+        if self._active is None:
+            return
+        state = self._state_before_active
+        self._active = None
+        self._state_before_active = None
+        self._release()
+        self._build(state)
+
+    def state_dict(self) -> dict:
+        """The state after the last committed batch, with its fingerprint."""
+        self._require_loader()
+        if self._active is not None:
+            raise RuntimeError("cannot save the loader state while a batch is active")
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint(),
+            "committed_steps": self._committed_steps,
+            "committed_samples": self._committed_samples,
+            "energon_state": self._loader.save_state_rank(),
+        }

@@ -1,0 +1,157 @@
+"""The energon task encoder: conversations -> token rows -> `SFTBatch`.
+
+Every stage works on `EncodedChat`, a row made of one or more segments (one per sample), so the
+unpacked path (one segment per row) and the packed path (several) share the batching code. The
+loss mask follows batch.py: a token is a target when it belongs to a supervised reply and is not
+the first token of its segment, so no loss ever reads across a sample boundary.
+
+Packing randomness (``first_fit_shuffle``) uses a private `random.Random` seeded from energon's
+per-worker seed and the pre-packing call index that energon keeps in the loader state; both are
+restored on resume, so the shuffle repeats exactly and no global RNG is touched.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from megatron.energon import Sample, SkipSample, TaskEncoder, WorkerConfig, edataclass, stateless
+from megatron.energon.rng import SystemRng
+
+from runtime.data.batch import SFTBatch
+from runtime.data.packing import plan_bins
+from runtime.data.sample import ChatSample
+from runtime.data.tokenizer import ChatTokenizer, apply_chat_template
+
+
+@edataclass
+class EncodedChat(Sample):
+    """A row before padding: per segment its source id, token ids and loss mask."""
+
+    source_ids: list
+    token_ids: list
+    loss_masks: list
+
+    @property
+    def length(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)
+
+
+def encode_conversation(
+    tokenizer: ChatTokenizer,
+    messages: list[dict[str, str]],
+    *,
+    max_length: int,
+    only_unmask_final: bool = False,
+) -> tuple[list[int], list[float]]:
+    """Token ids truncated to `max_length` and the loss mask (targets, first token never)."""
+    ids, supervised = apply_chat_template(tokenizer, messages, only_unmask_final=only_unmask_final)
+    ids, supervised = ids[:max_length], supervised[:max_length]
+    mask = [0.0] + [1.0 if s else 0.0 for s in supervised[1:]]
+    return ids, mask
+
+
+def collate_rows(rows: list[EncodedChat], *, pad_id: int, pad_multiple: int) -> SFTBatch:
+    """Pad rows to a common length (a multiple of `pad_multiple`) and build the tensors."""
+    longest = max(row.length for row in rows)
+    width = -(-longest // pad_multiple) * pad_multiple
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(shape, dtype=torch.float32)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    segment_ids = torch.full(shape, -1, dtype=torch.long)
+    cu_seqlens: list[list[int]] = []
+    source_ids: list[str] = []
+    lengths: list[int] = []
+    for r, row in enumerate(rows):
+        offsets = [0]
+        for s, (ids, mask) in enumerate(zip(row.token_ids, row.loss_masks, strict=True)):
+            start, n = offsets[-1], len(ids)
+            input_ids[r, start : start + n] = torch.tensor(ids, dtype=torch.long)
+            loss_mask[r, start : start + n] = torch.tensor(mask, dtype=torch.float32)
+            position_ids[r, start : start + n] = torch.arange(n)
+            segment_ids[r, start : start + n] = s
+            offsets.append(start + n)
+            lengths.append(n)
+        cu_seqlens.append(offsets)
+        source_ids.extend(row.source_ids)
+    return SFTBatch(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        position_ids=position_ids,
+        segment_ids=segment_ids,
+        cu_seqlens=cu_seqlens,
+        source_ids=source_ids,
+        sequence_lengths=lengths,
+    )
+
+
+class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]):
+    """Tokenize, mask, truncate, optionally pack, and pad into an `SFTBatch`."""
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        *,
+        max_input_seq_length: int,
+        pad_multiple: int = 1,
+        only_unmask_final: bool = False,
+        packing_algorithm: str | None = None,
+        max_sequences_per_bin: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.max_input_seq_length = max_input_seq_length
+        self.pad_multiple = pad_multiple
+        self.only_unmask_final = only_unmask_final
+        self.packing_algorithm = packing_algorithm
+        self.max_sequences_per_bin = max_sequences_per_bin
+
+    @stateless
+    def encode_sample(self, sample: ChatSample) -> EncodedChat:
+        ids, mask = encode_conversation(
+            self.tokenizer,
+            sample.messages,
+            max_length=self.max_input_seq_length,
+            only_unmask_final=self.only_unmask_final,
+        )
+        if not any(mask):
+            # Truncation cut every supervised token: nothing to learn from this sample.
+            raise SkipSample()
+        return EncodedChat.derive_from(
+            sample, source_ids=[sample.__key__], token_ids=[ids], loss_masks=[mask]
+        )
+
+    def _pack_rng(self) -> random.Random:
+        worker_seed = WorkerConfig.active_worker_config.worker_seed()
+        return random.Random(SystemRng.get_seed_from_args(worker_seed, self.current_sample_index))
+
+    def select_samples_to_pack(self, samples: list[EncodedChat]) -> list[list[EncodedChat]]:
+        """Plan bins of at most `max_input_seq_length` tokens over the whole buffer."""
+        assert self.packing_algorithm is not None
+        rng = self._pack_rng() if self.packing_algorithm == "first_fit_shuffle" else None
+        bins = plan_bins(
+            [s.length for s in samples],
+            self.max_input_seq_length,
+            self.packing_algorithm,
+            max_per_bin=self.max_sequences_per_bin,
+            rng=rng,
+        )
+        return [[samples[i] for i in b] for b in bins]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[EncodedChat]) -> EncodedChat:
+        """Concatenate the chosen samples into one row, keeping each as its own segment."""
+        return EncodedChat(
+            __key__="+".join(s.__key__ for s in samples),
+            __restore_key__=(),
+            __subflavors__=None,
+            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
+            source_ids=[sid for s in samples for sid in s.source_ids],
+            token_ids=[ids for s in samples for ids in s.token_ids],
+            loss_masks=[m for s in samples for m in s.loss_masks],
+        )
+
+    @stateless
+    def batch(self, samples: list[EncodedChat]) -> SFTBatch:
+        return collate_rows(samples, pad_id=self.tokenizer.pad_id, pad_multiple=self.pad_multiple)
