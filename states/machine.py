@@ -57,8 +57,13 @@ TRANSITIONS: list[dict[str, Any]] = [
         "before": "record_step",
     },
     {"trigger": "commit", "source": "stepping", "dest": "loading", "before": "record_step"},
-    {"trigger": "fail", "source": "stepping", "dest": "closing", "before": "record_abort"},
-    {"trigger": "fail", "source": ["setup", "loading", "saving"], "dest": "closing"},
+    {
+        "trigger": "fail",
+        "source": ["loading", "stepping"],
+        "dest": "closing",
+        "before": "record_abort",
+    },
+    {"trigger": "fail", "source": ["setup", "saving"], "dest": "closing"},
     {
         "trigger": "saved",
         "source": "saving",
@@ -147,7 +152,7 @@ class ControllerModel:
         self._append(
             StepAborted(
                 step=self.save_state.total_steps + 1,
-                phase=event.kwargs.get("phase") or "stepping",
+                phase=event.kwargs.get("phase") or self.state.value,
                 error_type=type(error).__name__,
                 error=str(error)[:2000],
                 trace_id=event.kwargs.get("trace_id"),

@@ -1,0 +1,258 @@
+"""`MasterConfig`: the run config, loaded from YAML with dotted overrides, checked early.
+
+Every rule that needs no cluster runs here, before `ray.init`, and fails with a message
+that names the dotted key and the fix; the CLI turns it into exit code 2. Each section is
+the config of one builder in `runtime/` (policy workers, loaders, checkpoints, logger).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from runtime.data.config import DataConfig, SequencePackingConfig
+from runtime.data.tokenizer import TokenizerSpec
+from runtime.errors import UserInputError
+from runtime.policy.config import ClusterConfig, PolicyConfig
+from traces.config import TelemetryConfig
+
+_Strict = ConfigDict(extra="forbid")
+_DEADLINE = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
+
+
+class PolicySection(PolicyConfig):
+    """The ``policy`` section: the worker's config plus tokenizer and sequence packing."""
+
+    tokenizer: TokenizerSpec = TokenizerSpec()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+
+
+class SFTConfig(BaseModel):
+    model_config = _Strict
+
+    max_num_steps: int = Field(..., ge=1)
+    max_num_epochs: int = Field(1, ge=1)
+    seed: int = 42
+    val_period: int = 0
+    val_at_start: bool = False
+    val_at_end: bool = False
+    only_unmask_final: bool = False
+
+
+class DataPlaneConfig(BaseModel):
+    model_config = _Strict
+
+    impl: Literal["local"] = "local"
+    max_partitions: int = Field(1, ge=1)  # batches a worker may hold (>= 2 prefetches)
+
+
+class LoggerConfig(BaseModel):
+    model_config = _Strict
+
+    log_dir: str | None = None  # default: the run directory
+    jsonl: bool = True
+    tensorboard: bool = False
+
+
+class CheckpointingConfig(BaseModel):
+    model_config = _Strict
+
+    enabled: bool = True
+    checkpoint_dir: str | None = None  # default: <run_dir>/checkpoints
+    save_period: int = Field(10, ge=0)
+    ft_save_period: int = Field(0, ge=0)
+    metric_name: str | None = None
+    higher_is_better: bool = False
+    keep_top_k: int | None = Field(None, ge=1)
+    ft_keep_latest_k: int = Field(1, ge=1)
+    checkpoint_must_save_by: str | None = None  # "DD:HH:MM:SS" after the controller starts
+    save_optimizer: bool = True
+
+    @field_validator("metric_name")
+    @classmethod
+    def _train_metric(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("train:") or value == "train:"):
+            raise ValueError(
+                f"must be null or 'train:<metric>' (for example 'train:loss'), got {value!r}"
+            )
+        return value
+
+    @field_validator("checkpoint_must_save_by")
+    @classmethod
+    def _deadline(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_deadline(value)
+        return value
+
+    @property
+    def deadline_seconds(self) -> float | None:
+        return (
+            None
+            if self.checkpoint_must_save_by is None
+            else parse_deadline(self.checkpoint_must_save_by)
+        )
+
+
+def parse_deadline(text: str) -> float:
+    """'DD:HH:MM:SS' -> seconds."""
+    match = _DEADLINE.match(text)
+    if not match:
+        raise ValueError(f"must look like DD:HH:MM:SS (for example 00:03:45:00), got {text!r}")
+    days, hours, minutes, seconds = map(int, match.groups())
+    if hours > 23 or minutes > 59 or seconds > 59:
+        raise ValueError(f"hours < 24, minutes and seconds < 60 in {text!r}")
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+class MasterConfig(BaseModel):
+    """The whole run config. Sections are plain data; live objects never go in here."""
+
+    model_config = _Strict
+
+    policy: PolicySection = PolicySection()
+    data: DataConfig
+    sft: SFTConfig
+    data_plane: DataPlaneConfig = DataPlaneConfig()
+    logger: LoggerConfig = LoggerConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    telemetry: TelemetryConfig | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> MasterConfig:
+        sft, data, policy = self.sft, self.data, self.policy
+        if sft.val_period or sft.val_at_start or sft.val_at_end or data.validation is not None:
+            raise ValueError(
+                "sft_v2 has no validation loop: set sft.val_period=0, sft.val_at_start=false, "
+                "sft.val_at_end=false and data.validation=null"
+            )
+        packing = policy.sequence_packing
+        if data.energon.packing_buffer_size is not None and not packing.enabled:
+            raise ValueError(
+                "data.energon.packing_buffer_size is set but policy.sequence_packing.enabled is "
+                "false: enable packing or remove the buffer size"
+            )
+        pad = policy.make_sequence_length_divisible_by
+        if packing.enabled and data.max_input_seq_length % pad:
+            raise ValueError(
+                f"data.max_input_seq_length ({data.max_input_seq_length}) must be divisible by "
+                f"policy.make_sequence_length_divisible_by ({pad}) when packing"
+            )
+        model = policy.model
+        if model.kind == "transformer" and model.max_seq_len < data.max_input_seq_length:
+            raise ValueError(
+                f"policy.model.max_seq_len ({model.max_seq_len}) must be at least "
+                f"data.max_input_seq_length ({data.max_input_seq_length})"
+            )
+        if self.cluster.num_nodes > 1 and self.checkpointing.enabled:
+            ckpt = self.checkpointing.checkpoint_dir
+            if ckpt is None or not Path(ckpt).is_absolute():
+                raise ValueError(
+                    "checkpointing.checkpoint_dir must be an absolute path on storage every "
+                    "node sees when cluster.num_nodes > 1"
+                )
+        return self
+
+
+def _max_train_steps(master_config: MasterConfig) -> int:
+    sft = master_config.sft
+    return min(
+        sft.max_num_steps, sft.max_num_epochs * master_config.data.train.virtual_epoch_length
+    )
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> MasterConfig:
+    """Read a YAML file, apply ``a.b.c=value`` overrides, validate. Errors name the key."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise UserInputError(f"{path}: no such config file") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UserInputError(
+            f"{path}{where}: invalid YAML ({getattr(exc, 'problem', exc)})"
+        ) from None
+    if not isinstance(raw, dict):
+        raise UserInputError(f"{path}: the config must be a mapping of sections")
+    for item in overrides:
+        apply_override(raw, item)
+    return validate_config(raw, source=str(path))
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict; the value is parsed as YAML (numbers, null...)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise UserInputError(f"override {item!r}: expected dotted.key=value")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserInputError(f"override {item!r}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def validate_config(raw: dict[str, Any], *, source: str = "config") -> MasterConfig:
+    try:
+        return MasterConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise UserInputError(f"{source}: invalid config\n  " + "\n  ".join(_explain(exc))) from None
+
+
+def _explain(exc: ValidationError) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(loc)
+        if err["type"] == "extra_forbidden":
+            hint = _nearest(loc)
+            lines.append(f"{key}: unknown key" + (f" (did you mean {hint!r}?)" if hint else ""))
+        elif err["type"] == "missing":
+            lines.append(f"{key}: required")
+        else:
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"{key}: {msg}" if key else msg)
+    return lines
+
+
+def _nearest(loc: list[str]) -> str | None:
+    """The closest valid key to the unknown last element of ``loc``."""
+    model: Any = MasterConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        model = _model_of(field.annotation)
+        if model is None:
+            return None
+    names = list(getattr(model, "model_fields", {}))
+    match = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.5)
+    return ".".join([*loc[:-1], match[0]]) if match else None
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None

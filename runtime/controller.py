@@ -1,0 +1,380 @@
+"""`SFTController`: the single controller's run loop, a short sequence of trigger calls.
+
+The loop reads like the recipe: set up the loaders, then while the machine is in
+``loading`` either halt or run one step, and save when the machine went to ``saving``.
+The table in `states.machine` says which moves exist; this module only does the work of
+each phase and fires the trigger that records it. The Ray actor `SFTSingleControllerActor`
+in `runtime.sft_v2` is this class made remote.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.trace import Status, StatusCode
+
+from events import CheckpointSaved, LoadersReady, RunStarted, StepCommitted, open_log
+from runtime.checkpoints import CheckpointDir
+from runtime.config import MasterConfig, _max_train_steps
+from runtime.data.config import build_loader_spec
+from runtime.data.loader import ColocatedLoader
+from runtime.metrics_log import MetricsLogger
+from runtime.save_checkpoint import state_metric, write_checkpoint
+from runtime.step_metrics import TIMING_KEYS, check_envelopes, sample_digest, step_metrics
+from states import ControllerModel, ControllerState, StepRules
+from traces.context import TRACER, attached, inject_carrier, span_ids
+
+S = ControllerState
+
+
+def checkpoint_root(config: MasterConfig) -> Path:
+    ckpt = config.checkpointing.checkpoint_dir
+    return Path(ckpt) if ckpt else Path(config.logger.log_dir) / "checkpoints"
+
+
+class SFTController:
+    """Drives the policy workers through the machine's states for one attempt of a run."""
+
+    def __init__(self, master_config: MasterConfig, actor_args: Any) -> None:
+        self.config = master_config
+        self.args = actor_args
+        self.group = actor_args.trainer
+        self.plan = actor_args.placement_plan
+        self.run_dir = Path(master_config.logger.log_dir)
+        ck = master_config.checkpointing
+        self.ckpt = CheckpointDir(
+            checkpoint_root(master_config),
+            keep_top_k=ck.keep_top_k,
+            ft_keep_latest_k=ck.ft_keep_latest_k,
+            higher_is_better=ck.higher_is_better,
+        )
+        self.max_steps = _max_train_steps(master_config)
+        self._stop = threading.Event()
+        self._last_metrics: dict[str, Any] = {}
+        self._losses: list[float] = []
+        self.log = None
+        self.model: ControllerModel | None = None
+        self.metrics: MetricsLogger | None = None
+
+    # -- entry points --------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Ask the loop to stop at the next step boundary (after a final checkpoint)."""
+        self._stop.set()
+
+    def run_with_trace_context(self, _otel_carrier: dict | None = None) -> dict[str, Any]:
+        with attached(_otel_carrier):
+            return self.run()
+
+    def run(self) -> dict[str, Any]:
+        with TRACER.start_as_current_span("rl.sft_v2.job") as job:
+            self._open()
+            start_step = self.model.save_state.total_steps
+            reason, error = "completed", None
+            try:
+                self._setup_loaders()
+                while self.model.state is S.loading:
+                    self.model.stop_requested = self._stop.is_set()
+                    if self.model.halt():
+                        break
+                    self._run_one_step()
+                    if self.model.state is S.saving:
+                        self._save_checkpoint()
+                reason = self._end_reason()
+            except BaseException as exc:
+                reason, error = (
+                    ("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"),
+                    exc,
+                )
+                job.record_exception(exc)
+                job.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+                raise
+            finally:
+                self._close(reason, error)
+            return self._summary(start_step, reason)
+
+    # -- phases --------------------------------------------------------------------------
+    def _open(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open_log(self.run_dir)
+        state = self.args.save_state
+        ck = self.config.checkpointing
+        deadline = ck.deadline_seconds
+        rules = StepRules(
+            max_steps=self.max_steps,
+            save_period=ck.save_period,
+            ft_save_period=ck.ft_save_period,
+            checkpointing=ck.enabled,
+            deadline=math.inf if deadline is None else time.time() + deadline,
+        )
+        self.model = ControllerModel(rules, log=self.log, save_state=state)
+        log_cfg = self.config.logger
+        self.metrics = MetricsLogger(
+            log_cfg.log_dir or self.run_dir, jsonl=log_cfg.jsonl, tensorboard=log_cfg.tensorboard
+        )
+        self.model.start(
+            event=RunStarted(
+                placement_hash=state.placement_hash,
+                resumed_from_step=state.total_steps or None,
+                max_steps=self.max_steps,
+                logical_world_size=self.plan.logical_world_size,
+            )
+        )
+
+    def _setup_loaders(self) -> None:
+        cfg, plan = self.config, self.plan
+        spec = build_loader_spec(
+            cfg.data,
+            global_batch_size=cfg.policy.train_global_batch_size,
+            logical_world_size=plan.logical_world_size,
+            seed=cfg.sft.seed,
+            packing=cfg.policy.sequence_packing,
+            tokenizer=cfg.policy.tokenizer,
+            make_sequence_length_divisible_by=cfg.policy.make_sequence_length_divisible_by,
+            only_unmask_final=cfg.sft.only_unmask_final,
+        )
+        owners = [copy.owner_rank for copy in plan.copies]
+        if owners != self.group.owner_ranks:
+            raise RuntimeError(
+                f"placement plan owners {owners} != workers {self.group.owner_ranks}"
+            )
+        factories = [
+            partial(
+                ColocatedLoader, spec, c.logical_rank, c.logical_world_size, plan.placement_hash
+            )
+            for c in plan.copies
+        ]
+        t0 = time.perf_counter()
+        restored = self.args.loader_states
+        self.group.setup_loaders(factories, restored)
+        self._all_call("prepare_for_training")
+        self.model.loaders_ready(
+            event=LoadersReady(
+                owner_ranks=owners,
+                logical_world_size=plan.logical_world_size,
+                restored=restored is not None,
+                seconds=time.perf_counter() - t0,
+            )
+        )
+
+    def _run_one_step(self) -> None:
+        step = self.model.save_state.total_steps + 1
+        attrs = {"step": step, "attempt": self.log.attempt}
+        with TRACER.start_as_current_span("rl.sft_v2.step", attributes=attrs) as span:
+            t0 = time.perf_counter()
+            phase, policy_open, batch_active = "loading", False, True
+            try:
+                envelopes = self._load_envelopes()
+                t_loaded = time.perf_counter()
+                self.model.batch_loaded()
+                phase, policy_open = "train", True
+                results = self._run_train_step()
+                policy_open = False
+                t_trained = time.perf_counter()
+                metrics = step_metrics(
+                    envelopes,
+                    results,
+                    load_time=t_loaded - t0,
+                    policy_time=t_trained - t_loaded,
+                    total_time=time.perf_counter() - t0,
+                )
+                phase = "metrics"
+                self._checkpoint_metric(metrics)
+                phase = "commit"
+                with TRACER.start_as_current_span("rl.sft_v2.commit"):
+                    self._owner_call("commit_sft_batch")
+                batch_active = False
+                phase = "record"
+                trace_id, span_id = span_ids(span)
+                payload = StepCommitted(
+                    step=step,
+                    source_samples=metrics["source_samples"],
+                    valid_tokens=metrics["valid_tokens"],
+                    physical_packs=metrics["physical_packs"],
+                    loss=metrics["loss"],
+                    grad_norm=metrics["grad_norm"],
+                    lr=metrics["lr"],
+                    timings={k: float(metrics[k]) for k in TIMING_KEYS if k in metrics},
+                    sample_digests=[sample_digest(e.source_ids) for e in envelopes],
+                    trace_id=trace_id,
+                    span_id=span_id,
+                )
+                with TRACER.start_as_current_span("rl.sft_v2.event_append"):
+                    self.model.commit(event=payload)
+            except BaseException as exc:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:200]))
+                self._abort_step(exc, phase, policy_open=policy_open, batch_active=batch_active)
+                raise
+            self._last_metrics = metrics
+            self._losses.append(metrics["loss"])
+            self.metrics.log(step, metrics)
+            if span.is_recording():
+                state = self.model.save_state
+                span.set_attributes(
+                    {
+                        "loss": metrics["loss"],
+                        "grad_norm": metrics["grad_norm"],
+                        "valid_tokens": metrics["valid_tokens"],
+                        "consumed_samples": state.consumed_samples,
+                        "total_step_time": metrics["total_step_time"],
+                    }
+                )
+
+    def _load_envelopes(self) -> list:
+        envelopes = self._owner_call("load_next_sft_batch")
+        check_envelopes(envelopes, self.plan.logical_world_size)
+        return envelopes
+
+    def _run_train_step(self) -> list[dict[str, Any]]:
+        """begin / train / finish on every worker, submitted back to back, one wait."""
+        with TRACER.start_as_current_span("rl.sft_v2.policy_training"):
+            carrier = inject_carrier()
+            g = self.group
+            refs = g.submit("begin_train_step", self.args.loss_fn, _otel_carrier=carrier)
+            refs += g.submit("train_step", _otel_carrier=carrier)
+            finish = g.submit("finish_train_step", _otel_carrier=carrier)
+            return g.wait("train_step", refs + finish)[len(refs) :]
+
+    def _policy_metrics(self) -> dict[str, Any]:
+        return dict(self._last_metrics)
+
+    def _owner_call(self, method: str, *args: Any) -> list[Any]:
+        return self.group.run(method, *args, ranks="owners", _otel_carrier=inject_carrier())
+
+    def _all_call(self, method: str, *args: Any) -> list[Any]:
+        return self.group.run(method, *args, _otel_carrier=inject_carrier())
+
+    def _loader_state_dicts(self) -> list[dict]:
+        return self._owner_call("sft_dataloader_state_dict")
+
+    def _should_save(self) -> bool:
+        return self.model.state is S.saving
+
+    def _checkpoint_metric(self, metrics: dict[str, Any]) -> float | None:
+        """The value checkpoints are ranked by; an unknown name fails at the first step."""
+        return state_metric(self.config.checkpointing.metric_name, metrics)
+
+    def _save_checkpoint(self) -> None:
+        state = self.model.save_state
+        rules = self.model.rules
+        kinds = rules.save_kinds(state, now=time.time(), stopping=self.model.stop_requested)
+        with TRACER.start_as_current_span("rl.sft_v2.save", attributes={"step": state.total_steps}):
+            t0 = time.perf_counter()
+            metric = self._checkpoint_metric(self._last_metrics) if self._last_metrics else None
+            path = write_checkpoint(
+                self.ckpt,
+                save_state=state,
+                save_policy=self._save_policy,
+                loader_states=self._loader_state_dicts(),
+                config=self.config.model_dump(mode="json"),
+                info={
+                    "kinds": list(kinds),
+                    "metric_name": self.config.checkpointing.metric_name,
+                    "metric": metric,
+                    "attempt": self.log.attempt,
+                    "num_threads_per_worker": self.config.cluster.num_threads_per_worker,
+                },
+            )
+            self.model.saved(
+                event=CheckpointSaved(
+                    step=state.total_steps,
+                    path=str(path),
+                    total_steps=state.total_steps,
+                    consumed_samples=state.consumed_samples,
+                    total_valid_tokens=state.total_valid_tokens,
+                    metric=metric,
+                    seconds=time.perf_counter() - t0,
+                )
+            )
+        _quietly("prune old checkpoints", self.ckpt.prune)
+
+    def _save_policy(self, policy_dir: Path) -> None:
+        optimizer = policy_dir / "optimizer" if self.config.checkpointing.save_optimizer else None
+        self.group.run(
+            "save_checkpoint",
+            str(policy_dir / "weights"),
+            None if optimizer is None else str(optimizer),
+            None,  # the tokenizer spec is in config.yaml
+            self.model.rules.budget_reached(self.model.save_state),
+            rng_path=str(policy_dir / "rng"),
+            _otel_carrier=inject_carrier(),
+        )
+
+    def _abort_step(
+        self, exc: BaseException, phase: str, *, policy_open: bool, batch_active: bool
+    ) -> None:
+        """Undo what the step opened, record `step_aborted`; cleanup failures only warn."""
+        if policy_open:
+            _quietly("abort the policy step", lambda: self._all_call("abort_train_step"))
+        if batch_active:
+            _quietly("abort the loader batches", lambda: self._owner_call("abort_sft_batch"))
+        span = _current_span_ids()
+        _quietly(
+            "record step_aborted",
+            lambda: self.model.fail(error=exc, phase=phase, trace_id=span[0], span_id=span[1]),
+        )
+
+    def _close_loaders(self) -> None:
+        self._owner_call("close_sft_dataloader")
+
+    def _close(self, reason: str, error: BaseException | None) -> None:
+        """Teardown in order: loaders, logger, checkpoints, telemetry; then run_stopped."""
+        _quietly("close the loaders", self._close_loaders)
+        if self.metrics is not None:
+            _quietly("close the metrics logger", self.metrics.close)
+        if self.model is not None and self.log is not None:
+            if self.model.state in (S.setup, S.loading):
+                _quietly("close the machine", self.model.close)
+            elif self.model.state is S.saving:
+                _quietly("close the machine", lambda: self.model.fail(error=error))
+            if self.model.state is S.closing:
+                msg = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+                _quietly("record run_stopped", lambda: self.model.finish(reason=reason, error=msg))
+        if self.log is not None:
+            self.log.close()
+
+    def _end_reason(self) -> str:
+        if self._stop.is_set():
+            return "interrupted"
+        if self.model.rules.timed_out(time.time()):
+            return "timeout"
+        return "completed"
+
+    def _summary(self, start_step: int, reason: str) -> dict[str, Any]:
+        state = self.model.save_state
+        return {
+            "reason": reason,
+            "attempt": self.log.attempt,
+            "resumed_from_step": start_step or None,
+            "steps_run": state.total_steps - start_step,
+            "total_steps": state.total_steps,
+            "max_steps": self.max_steps,
+            "consumed_samples": state.consumed_samples,
+            "total_valid_tokens": state.total_valid_tokens,
+            "first_loss": self._losses[0] if self._losses else None,
+            "last_loss": self._losses[-1] if self._losses else None,
+            "checkpoints": self.ckpt.steps(),
+            "run_dir": str(self.run_dir),
+        }
+
+
+def _current_span_ids() -> tuple[str | None, str | None]:
+    from opentelemetry import trace
+
+    return span_ids(trace.get_current_span())
+
+
+def _quietly(what: str, fn: Any) -> None:
+    """Cleanup never hides the original error: a failure here becomes a warning."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(
+            f"could not {what}: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2
+        )

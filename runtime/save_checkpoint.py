@@ -1,0 +1,67 @@
+"""Writing one checkpoint directory: policy files, loader states, config, training info.
+
+Everything goes into ``tmp_step_<N>`` first; `CheckpointDir.commit` fsyncs and renames it,
+so a crash at any moment leaves either a complete ``step_<N>`` or a stale temp directory
+that the next start removes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runtime.checkpoints import LOADERS_NAME, CheckpointDir
+from runtime.data.safe_pickle import dumps_loader_states
+from runtime.errors import UserInputError
+from states import SFTV2SaveState
+
+CHECKPOINT_FORMAT = 1
+
+
+def state_metric(metric_name: str | None, metrics: dict[str, Any]) -> float | None:
+    """The value of ``train:<key>`` among a step's metrics; unknown keys list the known."""
+    if metric_name is None:
+        return None
+    key = metric_name.removeprefix("train:")
+    if key not in metrics:
+        known = ", ".join(f"train:{k}" for k in sorted(metrics))
+        raise UserInputError(
+            f"checkpointing.metric_name {metric_name!r} is not a training metric; "
+            f"available: {known}"
+        )
+    return float(metrics[key])
+
+
+def write_checkpoint(
+    ckpt: CheckpointDir,
+    *,
+    save_state: SFTV2SaveState,
+    save_policy: Callable[[Path], Any],
+    loader_states: list[dict],
+    config: dict[str, Any],
+    info: dict[str, Any],
+) -> Path:
+    """Write and commit ``step_<total_steps>``; the temp directory never survives a failure."""
+    step = save_state.total_steps
+    tmp = ckpt.begin(step)
+    try:
+        save_policy(tmp / "policy")
+        (tmp / LOADERS_NAME).write_bytes(dumps_loader_states(loader_states))
+        (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        full_info = {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "save_state": save_state.to_dict(),
+            "logical_world_size": len(loader_states),
+            "time": time.time(),
+            **info,
+        }
+        return ckpt.commit(step, tmp, full_info)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

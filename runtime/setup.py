@@ -1,0 +1,158 @@
+"""`setup_sft_v2`: everything the controller needs, built in the driver.
+
+Config checks that need no cluster already ran when `MasterConfig` was built; here come
+the ones that need the workers (the placement plan, the DP size) and the resume state.
+Whatever fails, nothing is left behind: workers and placement group are torn down.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from events.errors import EventLogLocked
+from events.log import LOCK_NAME, _acquire_lock
+from runtime.checkpoints import CheckpointDir
+from runtime.config import MasterConfig
+from runtime.controller import checkpoint_root
+from runtime.data.placement import DataLoaderPlacementPlan, build_placement_plan
+from runtime.data.tokenizer import build_tokenizer
+from runtime.errors import UserInputError
+from runtime.resume import find_resume_point
+from states import SFTV2SaveState, initial_save_state
+
+
+@dataclass
+class SFTV2ActorArgs:
+    trainer: Any  # PolicyWorkerGroup
+    loss_fn: Any
+    train_cluster: dict[str, Any]
+    placement_plan: DataLoaderPlacementPlan
+    save_state: SFTV2SaveState
+    loader_states: list | None
+
+
+def _initial_save_state(placement_hash: str) -> SFTV2SaveState:
+    return initial_save_state(placement_hash)
+
+
+def _restore_save_state(loaded: Any, *, placement_hash: str) -> SFTV2SaveState:
+    """A checkpoint's save state, refused when the loaders were sharded differently."""
+    state = loaded if isinstance(loaded, SFTV2SaveState) else SFTV2SaveState.from_dict(loaded)
+    if state.placement_hash != placement_hash:
+        raise ValueError(
+            f"the data placement changed since the checkpoint: saved placement_hash "
+            f"{state.placement_hash} != current placement_hash {placement_hash}; resume with "
+            "the same cluster layout, or start a new run directory"
+        )
+    return state
+
+
+def ensure_ray(cluster) -> bool:
+    """Connect to ``cluster.address``/RAY_ADDRESS, or start an embedded Ray. True if started."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        try:
+            ray.init(address=address, logging_level="WARNING")
+        except Exception as exc:  # noqa: BLE001 - any failure to connect is bad input
+            raise UserInputError(f"cluster.address {address!r}: cannot connect ({exc})") from None
+        return True
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    needed = cluster.world_size * cluster.cpus_per_worker
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+        include_dashboard=False,
+        logging_level="WARNING",
+    )
+    return True
+
+
+def probe_run_lock(run_dir) -> None:
+    """Refuse early when another live run writes this run directory."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = _acquire_lock(run_dir / LOCK_NAME)
+    except EventLogLocked as exc:
+        raise UserInputError(str(exc)) from None
+    os.close(fd)
+
+
+def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None) -> SFTV2ActorArgs:
+    """Validate, start or join Ray, build the workers and the placement plan, find the resume."""
+    from runtime.policy.group import PolicyWorkerGroup
+    from runtime.policy.loss import NLLLossFn
+
+    config = master_config
+    run_dir = Path(config.logger.log_dir)
+    _check_data_path(config)
+    tokenizer = tokenizer_or_processor or build_tokenizer(config.policy.tokenizer)
+    if (
+        config.policy.model.kind == "transformer"
+        and tokenizer.vocab_size > config.policy.model.vocab_size
+    ):
+        raise UserInputError(
+            f"policy.model.vocab_size ({config.policy.model.vocab_size}) is smaller than the "
+            f"tokenizer's vocabulary ({tokenizer.vocab_size})"
+        )
+    probe_run_lock(run_dir)
+    resume = find_resume_point(run_dir, CheckpointDir(checkpoint_root(config)))
+    ensure_ray(config.cluster)
+    restore = None
+    if resume.step:
+        policy = resume.policy_dir
+        optimizer = policy / "optimizer"
+        restore = {
+            "weights_path": str(policy / "weights"),
+            "optimizer_path": str(optimizer) if optimizer.is_dir() else None,
+            "rng_path": str(policy / "rng"),
+        }
+    group = PolicyWorkerGroup(config.policy, config.cluster, seed=config.sft.seed, restore=restore)
+    try:
+        plan = build_placement_plan(
+            group.sharding_annotations(), config.data.energon.topology_mapper
+        )
+        n = plan.logical_world_size
+        if config.policy.train_global_batch_size % n:
+            raise UserInputError(
+                f"policy.train_global_batch_size ({config.policy.train_global_batch_size}) must "
+                f"be divisible by the logical data-parallel size ({n})"
+            )
+        if resume.step:
+            try:
+                state = _restore_save_state(resume.save_state, placement_hash=plan.placement_hash)
+            except ValueError as exc:
+                raise UserInputError(str(exc)) from None
+            if len(resume.loader_states) != n:
+                raise UserInputError(
+                    f"{resume.policy_dir.parent}: holds {len(resume.loader_states)} loader "
+                    f"states for {n} logical data-parallel shards"
+                )
+        else:
+            state = _initial_save_state(plan.placement_hash)
+        return SFTV2ActorArgs(
+            trainer=group,
+            loss_fn=NLLLossFn(),
+            train_cluster={"world_size": group.world_size, "node_ids": group.node_ids()},
+            placement_plan=plan,
+            save_state=state,
+            loader_states=resume.loader_states if resume.step else None,
+        )
+    except BaseException:
+        group.shutdown()
+        raise
+
+
+def _check_data_path(config: MasterConfig) -> None:
+    path = Path(config.data.train.path)
+    if not (path / ".nv-meta").is_dir():
+        raise UserInputError(
+            f"data.train.path {str(path)!r} is not a prepared energon data set (no .nv-meta); "
+            "create one with `sft-runtime demo-data DIR` or `sft-runtime prepare-data IN.jsonl DIR`"
+        )

@@ -1,0 +1,80 @@
+"""What one step measured, from the loader envelopes and the workers' results.
+
+Pure functions of plain data, so the controller stays a sequence of calls and the numbers
+are testable without Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from runtime.data.batch import StepEnvelope
+
+LOADER_LATENCY_MAX_KEY = "loader_latency_max"
+POLICY_TIME_KEY = "policy_time"
+TOTAL_STEP_TIME_KEY = "total_step_time"
+VALID_TOKENS_PER_SECOND_KEY = "valid_tokens_per_second"
+
+
+def sample_digest(source_ids: Sequence[str]) -> str:
+    """A short digest of one logical rank's source ids, in order."""
+    return hashlib.sha256("\n".join(source_ids).encode()).hexdigest()[:32]
+
+
+def check_envelopes(envelopes: Sequence[StepEnvelope], logical_world_size: int) -> None:
+    ranks = [e.logical_rank for e in envelopes]
+    if ranks != list(range(logical_world_size)):
+        raise RuntimeError(
+            f"loader envelopes came back for logical ranks {ranks}, "
+            f"expected 0..{logical_world_size - 1} in order"
+        )
+
+
+def step_metrics(
+    envelopes: Sequence[StepEnvelope],
+    results: Sequence[dict[str, Any]],
+    *,
+    load_time: float,
+    policy_time: float,
+    total_time: float,
+) -> dict[str, Any]:
+    """The metric keys of one step (logged to metrics.jsonl and the step_committed record)."""
+    latencies = [e.load_seconds for e in envelopes]
+    tokens = [e.valid_tokens for e in envelopes]
+    mean_tokens = sum(tokens) / len(tokens) if tokens else 0.0
+    valid_tokens = sum(tokens)
+    head = results[0]
+    metrics = {
+        "loss": float(head["loss"]),
+        "grad_norm": float(head["grad_norm"]),
+        "lr": float(head["lr"]),
+        "valid_tokens": valid_tokens,
+        "source_samples": sum(len(e.source_ids) for e in envelopes),
+        "physical_packs": sum(e.physical_packs for e in envelopes),
+        LOADER_LATENCY_MAX_KEY: max(latencies, default=0.0),
+        "loader_latency_mean": sum(latencies) / len(latencies) if latencies else 0.0,
+        "loader_copy_imbalance": (max(tokens) / mean_tokens) if mean_tokens else 1.0,
+        "load_time": load_time,
+        POLICY_TIME_KEY: policy_time,
+        TOTAL_STEP_TIME_KEY: total_time,
+        VALID_TOKENS_PER_SECOND_KEY: valid_tokens / total_time if total_time > 0 else 0.0,
+    }
+    for key in ("forward_backward_s", "allreduce_s", "optimizer_s"):
+        values = [float(r[key]) for r in results if key in r]
+        if values:
+            metrics[key] = max(values)
+    return metrics
+
+
+TIMING_KEYS = (
+    LOADER_LATENCY_MAX_KEY,
+    "loader_latency_mean",
+    "load_time",
+    POLICY_TIME_KEY,
+    TOTAL_STEP_TIME_KEY,
+    "forward_backward_s",
+    "allreduce_s",
+    "optimizer_s",
+)
