@@ -14,7 +14,7 @@ from runtime.config import MasterConfig, validate_config
 DEMO_PROMPTS = ("What is 12 + 30?", "Echo: alpha beta gamma", "Multiply 7 by 6.")
 
 
-def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 60) -> MasterConfig:
+def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 150) -> MasterConfig:
     raw: dict[str, Any] = {
         "policy": {
             "model": {
@@ -39,7 +39,7 @@ def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 60) -> M
         "sft": {"max_num_steps": steps, "max_num_epochs": 10, "seed": 42},
         "logger": {"log_dir": str(run_dir)},
         "cluster": {"workers_per_node": 2, "cpus_per_worker": 1.0, "num_threads_per_worker": 1},
-        "checkpointing": {"enabled": True, "save_period": 20, "metric_name": "train:loss"},
+        "checkpointing": {"enabled": True, "save_period": 25, "metric_name": "train:loss"},
     }
     return validate_config(raw, source="demo config")
 

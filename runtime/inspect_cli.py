@@ -12,7 +12,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from events import compare_reexecutions, history, read_log
+from events import compare_reexecutions, history, read_log, records_in_effect
 from events.log import log_path
 from runtime.errors import UserInputError
 
@@ -29,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_replay)
 
-    p = sub.add_parser("verify", help="hash chain, lineage and divergence of re-executed steps")
+    p = sub.add_parser("verify", help="hash chain, lineage, checkpoints, divergence of re-runs")
     p.add_argument("run_dir", type=Path)
+    p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN_DIR/checkpoints")
     p.set_defaults(func=cmd_verify)
 
 
@@ -115,6 +116,41 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_checkpoints(reader, root: Path) -> list[str]:
+    """Every checkpoint the log still counts must exist and hold the save state replay gives."""
+    from runtime.checkpoints import CheckpointDir
+    from states import replay
+
+    if not root.is_dir():
+        print(f"no checkpoint directory at {root}: agreement with checkpoints not checked")
+        return []
+    ckpt = CheckpointDir(root)
+    on_disk = set(ckpt.steps())
+    in_effect = sorted(
+        {r.data["step"] for r in records_in_effect(reader) if r.type == "checkpoint_saved"}
+    )
+    problems, agreed = [], []
+    for step in in_effect:
+        if step not in on_disk:
+            continue  # pruned by retention (only the newest is always kept)
+        try:
+            saved = ckpt.info(step).get("save_state", {})
+        except UserInputError as exc:
+            problems.append(str(exc))
+            continue
+        folded = replay(reader, until_step=step).to_dict()
+        if saved != folded:
+            problems.append(
+                f"{ckpt.path(step)}: save state {saved} but the log replays to {folded}"
+            )
+        else:
+            agreed.append(step)
+    if in_effect and in_effect[-1] not in on_disk:
+        problems.append(f"the newest checkpoint the log records, step {in_effect[-1]}, is missing")
+    print(f"checkpoints agree: {agreed}")
+    return problems
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from states import replay
 
@@ -124,7 +160,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(f"save state: {json.dumps(state.to_dict(), sort_keys=True)}")
     if reader.torn_bytes:
         print(f"warning: torn last line of {reader.torn_bytes} bytes (cut off on the next resume)")
+    problems = _check_checkpoints(reader, args.checkpoint_dir or args.run_dir / "checkpoints")
+    for problem in problems:
+        print(f"CHECKPOINT: {problem}", file=sys.stderr)
     compared, found = compare_reexecutions(reader)
+    if problems:
+        return 1
     if found:
         print(
             f"DIVERGED: {compared} re-executed steps compared, {len(found)} differ", file=sys.stderr

@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("demo", help="train a small model on synthetic chats, end to end")
     p.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=150)
     p.set_defaults(func=cmd_demo)
 
 

@@ -17,6 +17,7 @@ epoch rotates the worker order after its next epoch boundary, which breaks exact
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,8 @@ class ColocatedLoader:
         """Build the energon loader, continuing from `restored_state` when given."""
         if self._loader is not None:
             raise RuntimeError("setup() was already called on this loader")
+        # energon asks torch's DataLoader for pinned memory, which warns on every CPU loader
+        warnings.filterwarnings("ignore", message=".*pin_memory.*", category=UserWarning)
         if not (self._data_path / ".nv-meta").is_dir():
             raise UserInputError(
                 f"data.train.path {str(self._data_path)!r}: not a prepared energon data set "

@@ -1,0 +1,303 @@
+"""`PolicyWorkerGroup`: the driver-side handle on the data-parallel policy workers.
+
+It reserves a placement group (one bundle per worker), starts one `PolicyWorker` per DP
+rank, wires them into one torch.distributed group, and fans calls out to them: submit to
+every target worker, then wait on all results at once with one deadline. Results come back
+in rank order. The first failure is raised at once as a `PolicyWorkerError` naming the
+rank(s) and method (a dead actor says so), and a call that has not finished by the deadline
+raises too, so a dead or stuck worker never hangs the caller.
+
+`shutdown` kills the actors and removes the placement group; it is idempotent and works on
+a half-built group, so constructors and controllers can always call it on the way out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from runtime.data.batch import BatchSource, StepEnvelope
+from runtime.errors import UserInputError
+from runtime.policy.cluster import create_placement_group, remove_placement_group_quietly
+from runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout, parse_section
+from runtime.policy.worker import PolicyWorker
+
+Ranks = Literal["all", "owners"] | Sequence[int]
+
+
+class PolicyWorkerError(RuntimeError):
+    """A fanned-out call failed (or timed out) on one or more workers."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class PolicyWorkerInputError(PolicyWorkerError, UserInputError):
+    """A worker refused bad user input (a config value, a checkpoint): CLI exit code 2."""
+
+
+class PolicyWorkerGroup:
+    """One `PolicyWorker` per DP rank, placed by a placement group, joined by gloo/NCCL."""
+
+    def __init__(
+        self,
+        policy: PolicyConfig | dict,
+        cluster: ClusterConfig | dict,
+        *,
+        seed: int = 0,
+        name: str = "",
+        restore: dict[str, str | None] | None = None,
+    ) -> None:
+        """Build everything or nothing: on any failure the half-built group is torn down.
+
+        ``restore`` holds `PolicyWorker.load_checkpoint` keywords (``weights_path``,
+        ``optimizer_path``, ``rng_path``) to start from a checkpoint.
+        """
+        self.policy = parse_section(PolicyConfig, policy, "policy")
+        self.cluster = parse_section(ClusterConfig, cluster, "cluster")
+        self.world_size = self.cluster.world_size
+        self.rows_per_rank = check_batch_layout(self.policy, self.world_size)
+        self.workers: list[Any] = []
+        self.placement_group = None
+        self._closed = False
+        try:
+            self.placement_group = create_placement_group(self.cluster, name=name)
+            self._start_workers(seed)
+            self.run("ping")
+            addr, port = self.run("rendezvous_address", ranks=[0])[0]
+            self.run("init_distributed", addr, port, timeout_s=self.cluster.dist_timeout_s + 30.0)
+            if restore is not None:
+                self.run("load_checkpoint", **restore)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_workers(self, seed: int) -> None:
+        for rank in range(self.world_size):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group,
+                placement_group_bundle_index=rank,
+                placement_group_capture_child_tasks=False,
+            )
+            actor = PolicyWorker.options(
+                num_cpus=self.cluster.cpus_per_worker,
+                num_gpus=self.cluster.gpus_per_worker,
+                scheduling_strategy=strategy,
+                max_restarts=0,
+                max_task_retries=0,
+            ).remote(rank, self.world_size, self.policy, self.cluster, seed)
+            self.workers.append(actor)
+
+    # ----------------------------------------------------------------- layout
+    @property
+    def owner_ranks(self) -> list[int]:
+        """Ranks that own a colocated loader: every DP rank (no TP/PP/CP yet)."""
+        return list(range(self.world_size))
+
+    def sharding_annotations(self) -> dict[str, int]:
+        """Parallel layout for the placement plan, axes in their fixed order."""
+        return {
+            "data_parallel": self.world_size,
+            "tensor_parallel": 1,
+            "pipeline_parallel": 1,
+            "context_parallel": 1,
+        }
+
+    # ----------------------------------------------------------------- fan-out
+    def submit(
+        self,
+        method: str,
+        *args: Any,
+        ranks: Ranks = "all",
+        per_rank_args: Sequence[Sequence[Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[tuple[int, Any]]:
+        """Start ``method`` on the target workers; (rank, ObjectRef) pairs in rank order.
+
+        ``args``/``kwargs`` go to every target; ``per_rank_args`` (one tuple per target, in
+        rank order) are appended after them.
+        """
+        if self._closed:
+            raise PolicyWorkerError(f"{method}: the worker group is shut down", [])
+        targets = self._targets(ranks)
+        if per_rank_args is not None and len(per_rank_args) != len(targets):
+            raise ValueError(
+                f"{method}: {len(per_rank_args)} per-rank argument tuples for "
+                f"{len(targets)} target ranks {targets}"
+            )
+        refs = []
+        for i, rank in enumerate(targets):
+            extra = tuple(per_rank_args[i]) if per_rank_args is not None else ()
+            ref = getattr(self.workers[rank], method).remote(*args, *extra, **kwargs)
+            refs.append((rank, ref))
+        return refs
+
+    def wait(
+        self, method: str, refs: list[tuple[int, Any]], timeout_s: float | None = None
+    ) -> list[Any]:
+        """Results of `submit` in rank order; the first failure or the deadline raises."""
+        timeout = self.cluster.call_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        rank_of = {ref: rank for rank, ref in refs}
+        results: dict[Any, Any] = {}
+        pending = [ref for _, ref in refs]
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stuck = sorted(rank_of[r] for r in pending)
+                raise PolicyWorkerError(
+                    f"{method} did not finish within {timeout:g}s on rank(s) {stuck} "
+                    f"(cluster.call_timeout_s)",
+                    stuck,
+                )
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:
+                continue
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            failures = []
+            for ref in done + more:
+                try:
+                    results[ref] = ray.get(ref, timeout=0)
+                except GetTimeoutError:  # pragma: no cover - ready refs do not time out
+                    pending.append(ref)
+                except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                    failures.append((rank_of[ref], exc))
+            if failures:
+                raise _failure(method, failures)
+        return [results[ref] for _, ref in refs]
+
+    def run(
+        self,
+        method: str,
+        *args: Any,
+        ranks: Ranks = "all",
+        per_rank_args: Sequence[Sequence[Any]] | None = None,
+        timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """`submit` then `wait`: one fanned-out call, results in rank order."""
+        refs = self.submit(method, *args, ranks=ranks, per_rank_args=per_rank_args, **kwargs)
+        return self.wait(method, refs, timeout_s)
+
+    def _targets(self, ranks: Ranks) -> list[int]:
+        if ranks == "all":
+            return list(range(self.world_size))
+        if ranks == "owners":
+            return self.owner_ranks
+        targets = sorted(set(ranks))
+        bad = [r for r in targets if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"ranks {bad} outside 0..{self.world_size - 1}")
+        return targets
+
+    # ----------------------------------------------------------------- loaders
+    def setup_loaders(
+        self,
+        factories: Sequence[Callable[[], BatchSource]],
+        restored_states: Sequence[dict | None] | None = None,
+    ) -> None:
+        """One picklable factory (and optional restored state) per loader-owner rank."""
+        states = list(restored_states) if restored_states is not None else [None] * len(factories)
+        self.run(
+            "setup_sft_dataloader",
+            ranks="owners",
+            per_rank_args=list(zip(factories, states, strict=True)),
+        )
+
+    def load_batches(self) -> list[StepEnvelope]:
+        return self.run("load_next_sft_batch", ranks="owners")
+
+    def commit_batches(self) -> None:
+        self.run("commit_sft_batch", ranks="owners")
+
+    def abort_batches(self) -> None:
+        self.run("abort_sft_batch", ranks="owners")
+
+    def loader_states(self) -> list[dict]:
+        return self.run("sft_dataloader_state_dict", ranks="owners")
+
+    def close_loaders(self) -> None:
+        self.run("close_sft_dataloader", ranks="owners")
+
+    # ----------------------------------------------------------------- training
+    def train_step(self, loss_fn: Any = None, timeout_s: float | None = None) -> list[dict]:
+        """One optimizer step on every worker in a single fanned-out call.
+
+        `PolicyWorker.run_train_step` runs begin, train and finish back to back inside the
+        worker; a controller that wants a span per phase fans out the three phases itself
+        (`run("begin_train_step", loss_fn)`, `run("train_step")`,
+        `run("finish_train_step")`) at the cost of two more round trips. Returns each rank's
+        metrics in rank order. On error the step may be open: call `abort_train_step`.
+        """
+        return self.run("run_train_step", loss_fn, timeout_s=timeout_s)
+
+    def abort_train_step(self) -> list[dict]:
+        return self.run("abort_train_step")
+
+    def save_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        tokenizer_path: str | None = None,
+        is_final_checkpoint: bool = False,
+        rng_path: str | None = None,
+    ) -> list[dict]:
+        return self.run(
+            "save_checkpoint",
+            weights_path,
+            optimizer_path,
+            tokenizer_path,
+            is_final_checkpoint,
+            rng_path=rng_path,
+        )
+
+    def load_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        rng_path: str | None = None,
+    ) -> list[dict]:
+        return self.run("load_checkpoint", weights_path, optimizer_path, rng_path=rng_path)
+
+    def node_ids(self) -> list[str]:
+        return self.run("node_id")
+
+    # ----------------------------------------------------------------- teardown
+    def shutdown(self) -> None:
+        """Kill the actors and remove the placement group (idempotent, never raises)."""
+        self._closed = True
+        workers, self.workers = self.workers, []
+        for actor in workers:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - an actor already gone is fine
+                pass
+        pg, self.placement_group = self.placement_group, None
+        remove_placement_group_quietly(pg)
+
+
+def _failure(method: str, failures: list[tuple[int, BaseException]]) -> PolicyWorkerError:
+    """One error for all failed ranks, dead actors first (they are usually the cause)."""
+    failures.sort(key=lambda f: (not isinstance(f[1], RayActorError), f[0]))
+    parts = []
+    for rank, exc in failures:
+        if isinstance(exc, RayActorError):
+            parts.append(f"rank {rank}: worker died ({type(exc).__name__})")
+        else:
+            cause = getattr(exc, "cause", None) or exc
+            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+    causes = [getattr(exc, "cause", None) or exc for _, exc in failures]
+    kind = (
+        PolicyWorkerInputError
+        if all(isinstance(c, UserInputError) for c in causes)
+        else PolicyWorkerError
+    )
+    err = kind(f"{method} failed: " + "; ".join(parts), [r for r, _ in failures])
+    err.__cause__ = failures[0][1]
+    return err

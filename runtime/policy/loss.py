@@ -1,0 +1,49 @@
+"""Token-level negative log-likelihood, normalized over the whole global batch.
+
+Every rank divides its summed NLL by the number of supervised tokens of the *global* batch
+(all DP ranks, all micro-batches), which `begin_train_step` learns from one all-reduce.
+Summing the ranks' gradients (not averaging them) then gives exactly the gradient of the
+single-process loss on the global batch, whatever the split into ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.data.batch import SFTBatch
+
+
+class NLLLossFn:
+    """Mean NLL over the supervised tokens of a global batch (logits at t-1 predict t).
+
+    Picklable and stateless, so the controller can ship it to the workers every step.
+    """
+
+    def valid_tokens(self, batch: SFTBatch) -> int:
+        """Supervised targets this batch contributes (position 0 of a row has no predictor)."""
+        return int(batch.loss_mask[:, 1:].sum().item())
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SFTBatch, global_valid_tokens: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss contribution of one micro-batch and its metrics.
+
+        The returned loss is ``sum(nll * mask) / global_valid_tokens``: summed over ranks and
+        micro-batches it is the global mean.
+        """
+        targets = batch.input_ids[:, 1:].to(logits.device)
+        mask = batch.loss_mask[:, 1:].to(device=logits.device, dtype=torch.float32)
+        nll = F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            reduction="none",
+        ).view_as(mask)
+        nll_sum = (nll * mask).sum()
+        loss = nll_sum / max(int(global_valid_tokens), 1)
+        local_tokens = float(mask.sum().item())
+        return loss, {
+            "nll_sum": float(nll_sum.item()),
+            "valid_tokens": local_tokens,
+            "loss": float(loss.item()),
+        }

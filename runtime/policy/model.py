@@ -1,0 +1,136 @@
+"""The policy model: a small decoder-only transformer that understands packed rows.
+
+A row may hold several packed samples (``segment_ids`` 0, 1, ...) and padding (-1). Each
+token attends causally to earlier tokens of its own segment only, so a packed sample gives
+the same logits as when it sits alone in a row; positions come from ``position_ids``, which
+restart at 0 for every segment. Padding attends to padding before it (never an empty row in
+the mask, so no NaNs) and its outputs are never used by the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.policy.config import ModelConfig
+
+
+def attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean (batch, 1, T, T) mask, True where query t may attend to key s.
+
+    Causal and block-diagonal over segments; the diagonal is always allowed, so every query
+    has at least one key.
+    """
+    t = segment_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
+
+
+class _Block(nn.Module):
+    """Pre-norm attention + MLP block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.dropout = cfg.dropout
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        # no bias: a key bias gets no gradient (softmax ignores it) and Adam turns its
+        # rounding noise into updates
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        shape = (b, t, self.n_heads, d // self.n_heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
+        )
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class TinyTransformer(nn.Module):
+    """Decoder-only LM: token + learned position embeddings, pre-norm blocks, an LM head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits (batch, T, vocab) for every position."""
+        if input_ids.shape[-1] > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {input_ids.shape[-1]} exceeds "
+                f"policy.model.max_seq_len={self.cfg.max_seq_len}"
+            )
+        mask = attention_mask(segment_ids)
+        x = self.drop(self.tok(input_ids) + self.pos(position_ids.clamp(min=0)))
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln_f(x))
+
+
+class _HFCausalLM(nn.Module):
+    """A local Hugging Face causal LM behind the same forward signature (untested here)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.inner = AutoModelForCausalLM.from_pretrained(cfg.hf_path, local_files_only=True)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        mask = attention_mask(segment_ids)
+        additive = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        additive = additive.masked_fill(~mask, torch.finfo(torch.float32).min)
+        out = self.inner(
+            input_ids=input_ids,
+            position_ids=position_ids.clamp(min=0),
+            attention_mask=additive,
+        )
+        return out.logits
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model named by ``policy.model``; HF only when `transformers` is importable."""
+    if cfg.kind == "hf":
+        try:
+            import transformers  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError(
+                "policy.model.kind='hf' needs the `transformers` package, which is not installed"
+            ) from exc
+        return _HFCausalLM(cfg)
+    return TinyTransformer(cfg)

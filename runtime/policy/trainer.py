@@ -1,0 +1,245 @@
+"""One data-parallel replica's optimizer step, in plain torch (no Ray).
+
+The step is split in three so the controller can fan out each phase and trace it:
+
+1. `begin` - one all-reduce of the ranks' supervised-token counts gives the global
+   normalizer; gradients are cleared. Every rank must call it (it is a collective).
+2. `train` - forward/backward over the rank's own batch in micro-batches of
+   ``policy.train_micro_batch_size`` rows, accumulating gradients. Purely local.
+3. `finish` - one all-reduce (SUM) of a flat buffer holding every gradient and the loss sum,
+   gradient clipping, the LR for this step, the AdamW step. A collective.
+
+Until `finish` reaches the optimizer, `abort` drops the gradients and leaves weights,
+optimizer state and step count exactly as they were. Replicas start from the same seed and
+apply the same summed gradients, so they stay bitwise identical.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.data.batch import SFTBatch
+from runtime.policy.config import PolicyConfig
+from runtime.policy.loss import NLLLossFn
+from runtime.policy.model import build_model
+from runtime.policy.schedule import lr_at
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class _OpenStep:
+    loss_fn: Any
+    local_valid_tokens: int
+    global_valid_tokens: int
+    trained: bool = False
+    micro_batches: list[dict[str, float]] = field(default_factory=list)
+    forward_backward_s: float = 0.0
+    loss_sum: float = 0.0
+
+
+class DPTrainer:
+    """Model, AdamW and the open step of one DP replica."""
+
+    def __init__(self, policy: PolicyConfig, *, seed: int, device: torch.device) -> None:
+        self.policy = policy
+        self.device = device
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # same initial weights on every rank
+            self.model = build_model(policy.model).to(device)
+        opt = policy.optimizer
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+        )
+        self.steps_done = 0
+        self._open: _OpenStep | None = None
+
+    # ----------------------------------------------------------------- step phases
+    @property
+    def step_open(self) -> bool:
+        return self._open is not None
+
+    def begin(self, loss_fn: Any, get_batch: Callable[[], SFTBatch]) -> dict[str, int]:
+        """Open a step: learn the global number of supervised tokens (collective).
+
+        A rank that fails its local checks still joins the all-reduce with an error flag,
+        so its peers fail at once instead of waiting for the process-group timeout.
+        """
+        if self._open is not None:
+            raise RuntimeError("begin_train_step called while a step is open; abort it first")
+        loss_fn = loss_fn if loss_fn is not None else NLLLossFn()
+        error: Exception | None = None
+        local = 0
+        try:
+            batch = get_batch()
+            self._check_shape(batch)
+            local = int(loss_fn.valid_tokens(batch))
+        except Exception as exc:  # reported after the collective
+            error = exc
+        count = torch.tensor([float(local), float(error is not None)], dtype=torch.float64)
+        count = self._all_reduce(count.to(self.device))
+        if error is not None:
+            raise error
+        if count[1].item() > 0:
+            raise RuntimeError("begin_train_step failed on another data-parallel rank")
+        self.model.zero_grad(set_to_none=True)
+        self._open = _OpenStep(loss_fn, local, int(count[0].item()))
+        return {"local_valid_tokens": local, "global_valid_tokens": self._open.global_valid_tokens}
+
+    def train(self, batch: SFTBatch) -> dict[str, Any]:
+        """Forward/backward over the batch in micro-batches, accumulating gradients."""
+        step = self._require_open("train_step")
+        if step.trained:
+            raise RuntimeError("train_step called twice in one step")
+        self.model.train()
+        size = self.policy.train_micro_batch_size
+        t_all = time.perf_counter()
+        for start in range(0, batch.num_rows, size):
+            mb = batch.rows(start, min(start + size, batch.num_rows))
+            t0 = time.perf_counter()
+            with self._autocast():
+                logits = self.model(
+                    mb.input_ids.to(self.device),
+                    mb.position_ids.to(self.device),
+                    mb.segment_ids.to(self.device),
+                )
+            loss, metrics = step.loss_fn(logits, mb, step.global_valid_tokens)
+            loss.backward()
+            step.loss_sum += metrics["nll_sum"]
+            metrics["rows"] = float(mb.num_rows)
+            metrics["forward_backward_s"] = time.perf_counter() - t0
+            step.micro_batches.append(metrics)
+        step.forward_backward_s = time.perf_counter() - t_all
+        step.trained = True
+        return {
+            "micro_batches": list(step.micro_batches),
+            "forward_backward_s": step.forward_backward_s,
+        }
+
+    def finish(self) -> dict[str, Any]:
+        """All-reduce gradients and loss, clip, take the optimizer step (collective).
+
+        The flat buffer carries a "not ready" flag: if any rank has no trained step, every
+        rank raises before touching its weights (the step stays open for `abort`).
+        """
+        step = self._open
+        ready = step is not None and step.trained
+        t0 = time.perf_counter()
+        grads = [
+            p.grad
+            if ready and p.grad is not None
+            else torch.zeros_like(p, memory_format=torch.contiguous_format)
+            for p in self.params
+        ]
+        tail = torch.tensor(
+            [step.loss_sum if ready else 0.0, 0.0 if ready else 1.0],
+            dtype=torch.float32,
+            device=self.device,
+        )
+        flat = self._all_reduce(torch.cat([g.reshape(-1) for g in grads] + [tail]))
+        if not ready:
+            phase = "begin_train_step" if step is None else "train_step"
+            raise RuntimeError(f"finish_train_step called before a successful {phase}")
+        if flat[-1].item() > 0:
+            raise RuntimeError("finish_train_step: another data-parallel rank has no trained step")
+        offset = 0
+        for p, g in zip(self.params, grads, strict=True):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(p)  # views into the reduced buffer
+            offset += n
+        global_nll = float(flat[-2].item())
+        t1 = time.perf_counter()
+        grad_norm = self._clip()
+        lr = lr_at(self.steps_done, self.policy.optimizer.lr, self.policy.scheduler)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        self._open = None
+        t2 = time.perf_counter()
+        return {
+            "loss": global_nll / max(step.global_valid_tokens, 1),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "valid_tokens": step.global_valid_tokens,
+            "local_valid_tokens": step.local_valid_tokens,
+            "micro_batches": step.micro_batches,
+            "forward_backward_s": step.forward_backward_s,
+            "allreduce_s": t1 - t0,
+            "optimizer_s": t2 - t1,
+            "step": self.steps_done,
+        }
+
+    def abort(self) -> dict[str, Any]:
+        """Drop the open step's gradients; weights and optimizer state are untouched."""
+        was_open = self._open is not None
+        self.model.zero_grad(set_to_none=True)
+        self._open = None
+        return {"aborted": was_open, "step": self.steps_done}
+
+    # ----------------------------------------------------------------- state
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers as contiguous CPU tensors (safetensors-ready)."""
+        return {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(tensors, strict=True)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """AdamW state plus the schedule's step count; loadable with ``weights_only=True``."""
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": {"steps_done": self.steps_done},
+        }
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"unknown optimizer checkpoint format {state.get('format')!r}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_done = int(state["scheduler"]["steps_done"])
+
+    # ----------------------------------------------------------------- helpers
+    def _require_open(self, phase: str) -> _OpenStep:
+        if self._open is None:
+            raise RuntimeError(f"{phase} called without begin_train_step")
+        return self._open
+
+    def _check_shape(self, batch: SFTBatch) -> None:
+        multiple = self.policy.make_sequence_length_divisible_by
+        if batch.input_ids.shape[-1] % multiple:
+            raise ValueError(
+                f"batch sequence length {batch.input_ids.shape[-1]} is not a multiple of "
+                f"policy.make_sequence_length_divisible_by={multiple}"
+            )
+
+    @staticmethod
+    def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def _clip(self) -> float:
+        max_norm = self.policy.max_grad_norm
+        if max_norm is None:
+            norms = torch.stack([p.grad.detach().norm(2) for p in self.params])
+            return float(norms.norm(2).item())
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm).item())
+
+    def _autocast(self):
+        if self.policy.precision == "bfloat16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return nullcontext()

@@ -1,0 +1,287 @@
+"""`PolicyWorker`: the Ray actor that holds one data-parallel replica and its loader.
+
+One actor per DP rank. The batch a rank trains on is built by its own colocated loader
+(a `BatchSource` made from a picklable zero-arg factory) and never leaves the process; the
+controller only sees `StepEnvelope`s and metric dicts.
+
+Lifecycle, driven by `PolicyWorkerGroup`: the constructor pins the torch thread count,
+seeds python/numpy/torch (``seed + rank``) and builds the model from ``seed`` alone (the
+same initial weights on every rank); `rendezvous_address` on rank 0 returns its node IP and
+a free port; `init_distributed` on every rank then joins torch.distributed (gloo on CPU,
+NCCL with a GPU) with an explicit timeout, so a rank that never arrives fails the group
+instead of hanging for gloo's default 30 minutes.
+
+One training step is three fanned-out phases (see `runtime.policy.trainer`):
+`begin_train_step(loss_fn)` (collective: global token count), `train_step()` (local
+forward/backward), `finish_train_step()` (collective: gradients, clip, AdamW). Every method
+accepts ``_otel_carrier`` (a W3C carrier dict, unused until tracing lands).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import socket
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from runtime.data.batch import BatchSource, StepEnvelope
+from runtime.policy import checkpoint as ckpt
+from runtime.policy.config import ClusterConfig, PolicyConfig
+from runtime.policy.trainer import DPTrainer
+
+
+class PolicyWorkerBase:
+    """The worker's logic; `PolicyWorker` is its Ray actor class."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        policy: PolicyConfig,
+        cluster: ClusterConfig,
+        seed: int = 0,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.policy = policy
+        self.cluster = cluster
+        self.num_threads = cluster.num_threads_per_worker
+        self.niceness = _set_niceness(cluster.worker_niceness)
+        torch.set_num_threads(self.num_threads)
+        try:
+            torch.set_num_interop_threads(self.num_threads)
+        except RuntimeError:
+            pass  # already set once in this process; intra-op threads are what matter
+        random.seed(seed + rank)
+        np.random.seed(seed + rank)
+        torch.manual_seed(seed + rank)
+        self.has_gpu = bool(cluster.gpus_per_worker) and torch.cuda.is_available()
+        self.device = torch.device("cuda", 0) if self.has_gpu else torch.device("cpu")
+        if self.has_gpu:
+            torch.cuda.set_device(self.device)
+        self.trainer = DPTrainer(policy, seed=seed, device=self.device)
+        self._loader: BatchSource | None = None
+
+    # ----------------------------------------------------------------- distributed
+    def rendezvous_address(self, *, _otel_carrier: dict | None = None) -> tuple[str, int]:
+        """This node's IP and a free TCP port on it (called on rank 0)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return ip, port
+
+    def init_distributed(
+        self, master_addr: str, master_port: int, *, _otel_carrier: dict | None = None
+    ) -> dict[str, Any]:
+        """Join the process group of all DP ranks; fails after ``cluster.dist_timeout_s``."""
+        backend = "nccl" if self.has_gpu else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.cluster.dist_timeout_s),
+        )
+        return {"rank": self.rank, "backend": backend}
+
+    def node_id(self, *, _otel_carrier: dict | None = None) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def ping(self, *, _otel_carrier: dict | None = None) -> int:
+        return self.rank
+
+    def peak_rss_bytes(self, *, _otel_carrier: dict | None = None) -> int:
+        """Peak resident memory of this worker process (Linux reports KiB)."""
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # ----------------------------------------------------------------- loader
+    def setup_sft_dataloader(
+        self,
+        factory: Callable[[], BatchSource],
+        restored_state: dict | None = None,
+        *,
+        _otel_carrier: dict | None = None,
+    ) -> None:
+        """Build this rank's loader from ``factory()`` and restore its position."""
+        if self._loader is not None:
+            raise RuntimeError(f"rank {self.rank}: the SFT dataloader is already set up")
+        loader = factory()
+        loader.setup(restored_state)
+        self._loader = loader
+
+    def load_next_sft_batch(self, *, _otel_carrier: dict | None = None) -> StepEnvelope:
+        return self._require_loader().load()
+
+    def commit_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
+        self._require_loader().commit()
+
+    def abort_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
+        self._require_loader().abort()
+
+    def sft_dataloader_state_dict(self, *, _otel_carrier: dict | None = None) -> dict:
+        return self._require_loader().state_dict()
+
+    def close_sft_dataloader(self, *, _otel_carrier: dict | None = None) -> None:
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.close()
+
+    def _require_loader(self) -> BatchSource:
+        if self._loader is None:
+            raise RuntimeError(f"rank {self.rank}: setup_sft_dataloader was not called")
+        return self._loader
+
+    # ----------------------------------------------------------------- training
+    def prepare_for_training(self, *, _otel_carrier: dict | None = None) -> None:
+        self.trainer.model.train()
+
+    def begin_train_step(
+        self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
+    ) -> dict[str, int]:
+        """Open a step on the active batch; all-reduce the supervised-token count."""
+        return self.trainer.begin(loss_fn, lambda: self._require_loader().active_batch)
+
+    def train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
+        """Forward/backward on this rank's active batch (gradient accumulation)."""
+        return self.trainer.train(self._require_loader().active_batch)
+
+    def finish_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
+        """All-reduce gradients, clip, step AdamW and the LR schedule; the step's metrics."""
+        return self.trainer.finish()
+
+    def run_train_step(
+        self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
+    ) -> dict[str, Any]:
+        """begin + train + finish in one call: the same step, two fewer Ray round trips.
+
+        Returns `finish_train_step`'s metrics plus ``begin_s`` (the token all-reduce).
+        """
+        t0 = time.perf_counter()
+        self.begin_train_step(loss_fn)
+        begin_s = time.perf_counter() - t0
+        self.train_step()
+        return {**self.finish_train_step(), "begin_s": begin_s}
+
+    def abort_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
+        """Drop the open step's gradients; weights and optimizer stay bitwise unchanged."""
+        return self.trainer.abort()
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        tokenizer_path: str | None = None,
+        is_final_checkpoint: bool = False,
+        *,
+        rng_path: str | None = None,
+        _otel_carrier: dict | None = None,
+    ) -> dict[str, Any]:
+        """Write this rank's share of a checkpoint; returns the files it wrote.
+
+        Rank 0 writes weights, optimizer and tokenizer config (replicas are identical);
+        every rank writes its RNG file (default ``<dirname(weights_path)>/rng``).
+        """
+        if self.trainer.step_open:
+            raise RuntimeError(f"rank {self.rank}: cannot save while a train step is open")
+        files: list[str] = []
+        if self.rank == 0:
+            files.append(ckpt.save_weights(weights_path, self.trainer.weights()))
+            if optimizer_path is not None:
+                path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
+                state = self.trainer.optimizer_state()
+                state["is_final_checkpoint"] = bool(is_final_checkpoint)
+                files.append(ckpt.save_torch(path, state))
+            if tokenizer_path is not None and self.policy.tokenizer is not None:
+                data = json.dumps(self.policy.tokenizer, sort_keys=True).encode()
+                path = os.path.join(tokenizer_path, "tokenizer_config.json")
+                ckpt.atomic_write(path, lambda fh: fh.write(data))
+                files.append(path)
+        rng_dir = rng_path or _default_rng_dir(weights_path)
+        path = os.path.join(rng_dir, ckpt.rng_file(self.rank))
+        files.append(ckpt.save_torch(path, ckpt.capture_rng(self.num_threads)))
+        return {"rank": self.rank, "files": files, "step": self.trainer.steps_done}
+
+    def load_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        *,
+        rng_path: str | None = None,
+        _otel_carrier: dict | None = None,
+    ) -> dict[str, Any]:
+        """Restore weights, optionally optimizer + schedule, and this rank's RNG state."""
+        if self.trainer.step_open:
+            raise RuntimeError(f"rank {self.rank}: cannot load while a train step is open")
+        rng_dir = rng_path or _default_rng_dir(weights_path)
+        rng_file = os.path.join(rng_dir, ckpt.rng_file(self.rank))
+        rng_state = ckpt.load_torch(rng_file, "RNG state") if os.path.isdir(rng_dir) else None
+        if rng_state is not None:
+            ckpt.restore_rng(rng_state, self.num_threads, rng_file)
+        self.trainer.load_weights(ckpt.load_weights(weights_path))
+        if optimizer_path is not None:
+            path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
+            self.trainer.load_optimizer_state(ckpt.load_torch(path, "optimizer state"))
+        return {"rank": self.rank, "step": self.trainer.steps_done, "rng": rng_state is not None}
+
+    # ----------------------------------------------------------------- inspection
+    def get_weights(self, *, _otel_carrier: dict | None = None) -> dict[str, torch.Tensor]:
+        """A CPU copy of the weights (tests and debugging)."""
+        return self.trainer.weights()
+
+    def get_optimizer_state(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
+        """A CPU copy of the optimizer + schedule state (tests and debugging)."""
+        state = self.trainer.optimizer_state()
+        return _to_cpu(state)
+
+    def close(self, *, _otel_carrier: dict | None = None) -> None:
+        """Close the loader and leave the process group (best effort, before a kill)."""
+        try:
+            self.close_sft_dataloader()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _set_niceness(target: int | None) -> int:
+    """Move this process to ``target`` niceness if allowed; the niceness it ends up with."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if target is not None and target != current:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, target)
+        except OSError:
+            warnings.warn(
+                f"cannot change worker niceness from {current} to {target} (no permission); "
+                "set RAY_worker_niceness before ray.init instead",
+                stacklevel=2,
+            )
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def _default_rng_dir(weights_path: str) -> str:
+    return os.path.join(os.path.dirname(os.path.normpath(weights_path)), "rng")
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+PolicyWorker = ray.remote(PolicyWorkerBase)

@@ -1,0 +1,144 @@
+"""Error paths of the controller loop, with a scripted stand-in for the worker group.
+
+The real group is exercised end to end in test_end_to_end.py; here a stub lets a test make
+one phase fail and check what the controller undoes, records and re-raises.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+from conftest import small_config
+
+from events import read_log
+from runtime.controller import SFTController
+from runtime.data.batch import StepEnvelope
+from runtime.data.placement import build_placement_plan
+from runtime.setup import SFTV2ActorArgs
+from states import SFTV2SaveState
+
+
+class StubGroup:
+    """Answers the controller's calls like two healthy workers, unless told to fail."""
+
+    owner_ranks = [0, 1]
+
+    def __init__(self, fail: dict[str, Exception] | None = None) -> None:
+        self.fail = fail or {}
+        self.calls: list[str] = []
+
+    def _answer(self, method: str, rank: int):
+        if method == "load_next_sft_batch":
+            return StepEnvelope(rank, 2, [f"s{rank}"], ["input_ids"], [10], 0.001, 9, 1)
+        if method in ("finish_train_step",):
+            return {"loss": 2.0, "grad_norm": 1.0, "lr": 0.1, "valid_tokens": 18}
+        if method == "sft_dataloader_state_dict":
+            return {"rank": rank}
+        return None
+
+    def run(self, method, *args, ranks="all", **kwargs):
+        self.calls.append(method)
+        if method in self.fail:
+            raise self.fail[method]
+        return [self._answer(method, r) for r in (0, 1)]
+
+    def submit(self, method, *args, **kwargs):
+        self.calls.append(method)
+        return [(r, (method, r)) for r in (0, 1)]
+
+    def wait(self, method, refs, timeout_s=None):
+        for ref_method, _ in (ref for _, ref in refs):
+            if ref_method in self.fail:
+                raise self.fail[ref_method]
+        return [self._answer(m, r) for _, (m, r) in refs]
+
+    def setup_loaders(self, factories, restored=None):
+        self.calls.append("setup_sft_dataloader")
+
+
+def _controller(tmp_path: Path, group: StubGroup, *overrides: str, total_steps: int = 0):
+    config = small_config(tmp_path / "run", tmp_path / "data", 4, *overrides)
+    plan = build_placement_plan(
+        {"data_parallel": 2, "tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1}
+    )
+    args = SFTV2ActorArgs(
+        trainer=group,
+        loss_fn=None,
+        train_cluster={},
+        placement_plan=plan,
+        save_state=SFTV2SaveState(total_steps, 0, 0, plan.placement_hash),
+        loader_states=None,
+    )
+    return SFTController(config, args), tmp_path / "run"
+
+
+def _types(run_dir: Path) -> list[str]:
+    return [r.type for r in read_log(run_dir, validate=True)]
+
+
+def test_a_failing_train_step_is_undone_recorded_and_reraised(tmp_path):
+    boom = RuntimeError("rank 1 exploded")
+    group = StubGroup({"train_step": boom})
+    controller, run_dir = _controller(tmp_path, group)
+    with pytest.raises(RuntimeError) as err:
+        controller.run()
+    assert err.value is boom
+    assert "abort_train_step" in group.calls and "abort_sft_batch" in group.calls
+    assert "commit_sft_batch" not in group.calls
+    records = list(read_log(run_dir))
+    aborted = [r for r in records if r.type == "step_aborted"]
+    assert [(a.data["step"], a.data["phase"], a.data["error"]) for a in aborted] == [
+        (1, "train", "rank 1 exploded")
+    ]
+    assert records[-1].type == "run_stopped" and records[-1].data["reason"] == "failed"
+    assert "rank 1 exploded" in records[-1].data["error"]
+
+
+def test_cleanup_failures_warn_and_keep_the_original_error(tmp_path):
+    boom = ValueError("the original")
+    group = StubGroup(
+        {
+            "load_next_sft_batch": boom,
+            "abort_sft_batch": OSError("abort failed too"),
+            "close_sft_dataloader": OSError("close failed too"),
+        }
+    )
+    controller, run_dir = _controller(tmp_path, group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="the original"):
+            controller.run()
+    messages = [str(w.message) for w in caught]
+    assert any("abort the loader batches" in m for m in messages)
+    assert any("close the loaders" in m for m in messages)
+    assert _types(run_dir)[-2:] == ["step_aborted", "run_stopped"]
+
+
+def test_a_commit_failure_aborts_the_batches_but_not_the_finished_policy_step(tmp_path):
+    group = StubGroup({"commit_sft_batch": RuntimeError("commit failed")})
+    controller, run_dir = _controller(tmp_path, group)
+    with pytest.raises(RuntimeError, match="commit failed"):
+        controller.run()
+    assert "abort_train_step" not in group.calls and "abort_sft_batch" in group.calls
+    assert "step_committed" not in _types(run_dir)
+
+
+def test_unknown_checkpoint_metric_fails_at_step_one_listing_the_known(tmp_path):
+    controller, run_dir = _controller(
+        tmp_path, StubGroup(), "checkpointing.metric_name=train:accuracy"
+    )
+    with pytest.raises(Exception, match="available: .*train:loss"):
+        controller.run()
+    aborted = [r for r in read_log(run_dir) if r.type == "step_aborted"]
+    assert aborted[0].data["step"] == 1 and aborted[0].data["phase"] == "metrics"
+
+
+def test_a_run_whose_budget_is_reached_trains_nothing(tmp_path):
+    group = StubGroup()
+    controller, run_dir = _controller(tmp_path, group, total_steps=4)
+    summary = controller.run()
+    assert summary["steps_run"] == 0 and summary["reason"] == "completed"
+    assert "load_next_sft_batch" not in group.calls
+    assert _types(run_dir) == ["run_started", "loaders_ready", "run_stopped"]
