@@ -24,6 +24,7 @@ from runtime.checkpoints import CheckpointDir
 from runtime.config import MasterConfig, _max_train_steps
 from runtime.data.config import build_loader_spec
 from runtime.data.loader import ColocatedLoader
+from runtime.faults import fault_point
 from runtime.metrics_log import MetricsLogger
 from runtime.save_checkpoint import state_metric, write_checkpoint
 from runtime.step_metrics import TIMING_KEYS, check_envelopes, sample_digest, step_metrics
@@ -152,6 +153,9 @@ class SFTController:
         t0 = time.perf_counter()
         restored = self.args.loader_states
         self.group.setup_loaders(factories, restored)
+        fault_point(
+            "setup:after_loaders", step=self.model.save_state.total_steps, attempt=self._attempt
+        )
         self._all_call("prepare_for_training")
         self.model.loaders_ready(
             event=LoadersReady(
@@ -171,10 +175,12 @@ class SFTController:
             try:
                 envelopes = self._load_envelopes()
                 t_loaded = time.perf_counter()
+                fault_point("stepping:after_load", step=step, attempt=self._attempt)
                 self.model.batch_loaded()
                 phase, policy_open = "train", True
                 results = self._run_train_step()
                 policy_open = False
+                fault_point("stepping:after_optimizer", step=step, attempt=self._attempt)
                 t_trained = time.perf_counter()
                 metrics = step_metrics(
                     envelopes,
@@ -189,6 +195,7 @@ class SFTController:
                 with TRACER.start_as_current_span("rl.sft_v2.commit"):
                     self._owner_call("commit_sft_batch")
                 batch_active = False
+                fault_point("stepping:after_commit", step=step, attempt=self._attempt)
                 phase = "record"
                 trace_id, span_id = span_ids(span)
                 payload = StepCommitted(
@@ -206,6 +213,7 @@ class SFTController:
                 )
                 with TRACER.start_as_current_span("rl.sft_v2.event_append"):
                     self.model.commit(event=payload)
+                fault_point("stepping:after_append", step=step, attempt=self._attempt)
             except BaseException as exc:
                 span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:200]))
@@ -269,6 +277,7 @@ class SFTController:
             metric = self._checkpoint_metric(self._last_metrics) if self._last_metrics else None
             path = write_checkpoint(
                 self.ckpt,
+                attempt=self._attempt,
                 save_state=state,
                 save_policy=self._save_policy,
                 loader_states=self._loader_state_dicts(),
@@ -292,6 +301,7 @@ class SFTController:
                     seconds=time.perf_counter() - t0,
                 )
             )
+        fault_point("saving:after_record", step=state.total_steps, attempt=self._attempt)
         _quietly("prune old checkpoints", self.ckpt.prune)
 
     def _save_policy(self, policy_dir: Path) -> None:
@@ -334,10 +344,19 @@ class SFTController:
             elif self.model.state is S.saving:
                 _quietly("close the machine", lambda: self.model.fail(error=error))
             if self.model.state is S.closing:
+                fault_point(
+                    "closing:before_stop",
+                    step=self.model.save_state.total_steps,
+                    attempt=self._attempt,
+                )
                 msg = None if error is None else f"{type(error).__name__}: {error}"[:2000]
                 _quietly("record run_stopped", lambda: self.model.finish(reason=reason, error=msg))
         if self.log is not None:
             self.log.close()
+
+    @property
+    def _attempt(self) -> int | None:
+        return None if self.log is None else self.log.attempt
 
     def _end_reason(self) -> str:
         if self._stop.is_set():

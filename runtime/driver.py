@@ -18,6 +18,7 @@ import orjson
 import ray
 
 from runtime.config import MasterConfig
+from runtime.faults import fault_point
 from runtime.sft_v2 import SFTSingleControllerActor, setup_sft_v2
 from traces.context import TRACER, inject_carrier
 
@@ -90,6 +91,7 @@ def run_training(
         args = setup_sft_v2(config, tokenizer)
         controller = None
         try:
+            fault_point("driver:after_setup")
             controller = SFTSingleControllerActor.remote(config, args)
             ref = controller.run_with_trace_context.remote(_otel_carrier=inject_carrier())
             tail = MetricsTail(Path(config.logger.log_dir or ".") / "metrics.jsonl")

@@ -18,6 +18,7 @@ import yaml
 from runtime.checkpoints import LOADERS_NAME, CheckpointDir
 from runtime.data.safe_pickle import dumps_loader_states
 from runtime.errors import UserInputError
+from runtime.faults import fault_point
 from states import SFTV2SaveState
 
 CHECKPOINT_FORMAT = 1
@@ -45,12 +46,14 @@ def write_checkpoint(
     loader_states: list[dict],
     config: dict[str, Any],
     info: dict[str, Any],
+    attempt: int | None = None,
 ) -> Path:
     """Write and commit ``step_<total_steps>``; the temp directory never survives a failure."""
     step = save_state.total_steps
     tmp = ckpt.begin(step)
     try:
         save_policy(tmp / "policy")
+        fault_point("saving:after_weights", step=step, attempt=attempt)
         (tmp / LOADERS_NAME).write_bytes(dumps_loader_states(loader_states))
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         full_info = {
@@ -61,7 +64,10 @@ def write_checkpoint(
             "time": time.time(),
             **info,
         }
-        return ckpt.commit(step, tmp, full_info)
+        fault_point("saving:before_rename", step=step, attempt=attempt)
+        final = ckpt.commit(step, tmp, full_info)
+        fault_point("saving:after_rename", step=step, attempt=attempt)
+        return final
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

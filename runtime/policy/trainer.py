@@ -192,8 +192,9 @@ class DPTrainer:
 
     # ----------------------------------------------------------------- state
     def weights(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers as contiguous CPU tensors (safetensors-ready)."""
-        return {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+        """A copy of parameters and buffers as contiguous CPU tensors (safetensors-ready)."""
+        state = self.model.state_dict()
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(tensors, strict=True)

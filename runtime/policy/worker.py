@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.data.batch import BatchSource, StepEnvelope
+from runtime.faults import fault_point
 from runtime.policy import checkpoint as ckpt
 from runtime.policy.config import ClusterConfig, PolicyConfig
 from runtime.policy.trainer import DPTrainer
@@ -155,10 +156,12 @@ class PolicyWorkerBase:
 
     def train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """Forward/backward on this rank's active batch (gradient accumulation)."""
+        fault_point("worker:train", step=self.trainer.steps_done + 1, rank=self.rank)
         return self.trainer.train(self._require_loader().active_batch)
 
     def finish_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """All-reduce gradients, clip, step AdamW and the LR schedule; the step's metrics."""
+        fault_point("worker:finish", step=self.trainer.steps_done + 1, rank=self.rank)
         return self.trainer.finish()
 
     def run_train_step(

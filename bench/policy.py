@@ -1,0 +1,332 @@
+"""Step time of the Ray policy-worker group vs a plain torch.distributed loop.
+
+Both sides train the same model on the same synthetic batches with the same number of
+processes, one torch thread each, gloo on CPU. The baseline is two bare subprocesses of
+this file (no Ray) running load -> token-count all-reduce -> micro-batch forward/backward
+-> flat gradient all-reduce -> clip -> AdamW -> commit. The Ray side runs the controller's
+sequence: `load_batches`, `train_step`, `commit_batches` (three round trips), and a
+pipelined variant that submits load and train back to back (two). The sides alternate in rounds
+(baseline, group, baseline, ...) so that load from other processes on a shared machine
+hits both alike; the headline ratio is the median of the per-round ratios of median step
+times, the runtime's overhead; the target is <= 1.10.
+
+Run ``python bench/policy.py``; `run()` returns rows for an aggregator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD, ROWS, SEQ_LEN, VOCAB, MICRO = 2, 8, 128, 256, 4
+WARMUP, ROUNDS, STEPS, SEED = 3, 5, 8, 11
+TARGET = 1.10
+
+
+def _sources():
+    """The synthetic `BatchSource` of the policy tests, shipped to Ray workers by value."""
+    name = "policy_test_sources"
+    if name not in sys.modules:
+        path = ROOT / "tests" / "policy" / "sources.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _configs():
+    from runtime.policy.config import ClusterConfig, ModelConfig, PolicyConfig
+
+    policy = PolicyConfig(
+        model=ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ_LEN),
+        train_global_batch_size=WORLD * ROWS,
+        train_micro_batch_size=MICRO,
+        max_grad_norm=1.0,
+    )
+    cluster = ClusterConfig(workers_per_node=WORLD, cpus_per_worker=0.5, num_threads_per_worker=1)
+    return policy, cluster
+
+
+def _source(rank: int):
+    src = _sources().SyntheticSource
+    return functools.partial(src, SEED, rank, WORLD, rows=ROWS, seq_len=SEQ_LEN, vocab_size=VOCAB)
+
+
+# ------------------------------------------------------------------ baseline (no Ray)
+class _PlainLoop:
+    """One process of the plain torch.distributed loop (what the runtime must not exceed)."""
+
+    def __init__(self, rank: int, port: int) -> None:
+        import torch.distributed as dist
+
+        from runtime.policy.loss import NLLLossFn
+        from runtime.policy.model import build_model
+
+        torch.set_num_threads(1)
+        self.dist = dist
+        self.policy, _ = _configs()
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+        )
+        torch.manual_seed(0)
+        self.model = build_model(self.policy.model)
+        self.params = list(self.model.parameters())
+        o = self.policy.optimizer
+        self.opt = torch.optim.AdamW(
+            self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.source, self.fn = _source(rank)(), NLLLossFn()
+        self.source.setup(None)
+        self.step_index = 0
+
+    def step(self) -> tuple[float, float, float]:
+        """One step; (seconds, forward/backward seconds, loss)."""
+        from runtime.policy.schedule import lr_at
+
+        dist, fn, params = self.dist, self.fn, self.params
+        t0 = time.perf_counter()
+        self.source.load()
+        batch = self.source.active_batch
+        count = torch.tensor([float(fn.valid_tokens(batch))], dtype=torch.float64)
+        dist.all_reduce(count)
+        total = int(count.item())
+        self.opt.zero_grad(set_to_none=True)
+        nll, t_fb = 0.0, time.perf_counter()
+        for s in range(0, batch.num_rows, MICRO):
+            mb = batch.rows(s, s + MICRO)
+            logits = self.model(mb.input_ids, mb.position_ids, mb.segment_ids)
+            loss, metrics = fn(logits, mb, total)
+            loss.backward()
+            nll += metrics["nll_sum"]
+        t_fb = time.perf_counter() - t_fb
+        flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor([nll])])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        torch.nn.utils.clip_grad_norm_(params, self.policy.max_grad_norm)
+        lr = lr_at(self.step_index, self.policy.optimizer.lr, self.policy.scheduler)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.source.commit()
+        self.step_index += 1
+        return time.perf_counter() - t0, t_fb, float(flat[-1].item()) / max(total, 1)
+
+
+def _baseline_child(rank: int, port: int) -> None:
+    """Subprocess entry: one round of steps per line read from stdin, JSON out per round."""
+    loop = _PlainLoop(rank, port)
+    for _ in range(WARMUP):
+        loop.step()
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        rows = [loop.step() for _ in range(STEPS)]
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({"rows": rows, "peak_rss": rss}), flush=True)
+    loop.dist.destroy_process_group()
+
+
+class _Baseline:
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, __file__, "--baseline-rank"]
+        self.procs = [
+            subprocess.Popen(
+                [*cmd, str(r), "--port", str(port)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                cwd=ROOT,
+                text=True,
+            )
+            for r in range(WORLD)
+        ]
+
+    def round(self) -> list[dict]:
+        for p in self.procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        out = []
+        for p in self.procs:
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"baseline process exited with code {p.wait(timeout=30)}")
+            out.append(json.loads(line))
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.stdin:
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# ------------------------------------------------------------------ the worker group
+class _Group:
+    def __init__(self) -> None:
+        import ray
+        from ray import cloudpickle
+
+        from runtime.policy.group import PolicyWorkerGroup
+        from runtime.policy.loss import NLLLossFn
+
+        self.ray = ray
+        self.started = not ray.is_initialized()
+        if self.started:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(
+                address="local",
+                num_cpus=4,
+                include_dashboard=False,
+                logging_level="ERROR",
+                log_to_driver=False,
+                _temp_dir=tempfile.mkdtemp(prefix="bench-ray-"),
+            )
+        cloudpickle.register_pickle_by_value(_sources())
+        policy, cluster = _configs()
+        self.fn = NLLLossFn()
+        self.group = PolicyWorkerGroup(policy, cluster, seed=0, name="bench-policy")
+        self.group.setup_loaders([_source(r) for r in range(WORLD)])
+        for _ in range(WARMUP):
+            self.step()
+
+    def step(self) -> tuple[float, float, float]:
+        """The controller's sequence for one step; (seconds, fwd/bwd seconds, loss)."""
+        t0 = time.perf_counter()
+        self.group.load_batches()
+        results = self.group.train_step(self.fn)
+        self.group.commit_batches()
+        return time.perf_counter() - t0, results[0]["forward_backward_s"], results[0]["loss"]
+
+    def step_pipelined(self) -> tuple[float, float, float]:
+        """Load and train submitted back to back (actor calls run in order): one round trip
+        fewer; a failed load makes the step fail on every rank, as it would anyway."""
+        t0 = time.perf_counter()
+        refs = self.group.submit("load_next_sft_batch", ranks="owners")
+        train = self.group.submit("run_train_step", self.fn)
+        results = self.group.wait("load+train", refs + train)[len(refs) :]
+        self.group.commit_batches()
+        return time.perf_counter() - t0, results[0]["forward_backward_s"], results[0]["loss"]
+
+    def round(self, pipelined: bool = False) -> list[tuple[float, float, float]]:
+        step = self.step_pipelined if pipelined else self.step
+        return [step() for _ in range(STEPS)]
+
+    def close(self) -> list[int]:
+        try:
+            return self.group.run("peak_rss_bytes")
+        finally:
+            self.group.shutdown()
+            if self.started:
+                self.ray.shutdown()
+
+
+def _median_ms(rows: list, col: int) -> float:
+    return statistics.median(r[col] for r in rows) * 1e3
+
+
+def run() -> list[dict]:
+    """Benchmark rows: name, value, unit, reference, ratio, target, ok."""
+    base, group = _Baseline(), None
+    base_rows, group_rows, piped_rows, base_rss = [], [], [], []
+    ratios, piped_ratios = [], []
+    try:
+        group = _Group()
+        for _ in range(ROUNDS):
+            b = base.round()
+            g = group.round()
+            gp = group.round(pipelined=True)
+            ratios.append(_median_ms(g, 0) / _median_ms(b[0]["rows"], 0))
+            piped_ratios.append(_median_ms(gp, 0) / _median_ms(b[0]["rows"], 0))
+            base_rows += b[0]["rows"]
+            group_rows += g
+            piped_rows += gp
+            base_rss = [r["peak_rss"] for r in b]
+    finally:
+        base.close()
+        group_rss = group.close() if group is not None else []
+    ratio, piped_ratio = statistics.median(ratios), statistics.median(piped_ratios)
+    base_ms, group_ms = _median_ms(base_rows, 0), _median_ms(group_rows, 0)
+    piped_ms = _median_ms(piped_rows, 0)
+    base_min, group_min = min(r[0] for r in base_rows) * 1e3, min(r[0] for r in group_rows) * 1e3
+    # the group trains 2 x STEPS per round, the baseline STEPS: compare the first round
+    loss_diff = max(abs(a[2] - b[2]) for a, b in zip(group_rows, base_rows[:STEPS], strict=False))
+    rows = [
+        _row("policy.step_time.worker_group", group_ms, "ms", base_ms, ratio, TARGET),
+        _row(
+            "policy.step_time.worker_group_pipelined", piped_ms, "ms", base_ms, piped_ratio, TARGET
+        ),
+        _row("policy.step_time.torch_distributed", base_ms, "ms", None, None, None),
+        _row("policy.step_time_min.worker_group", group_min, "ms", base_min, None, None),
+        _row(
+            "policy.forward_backward.worker_group",
+            _median_ms(group_rows, 1),
+            "ms",
+            _median_ms(base_rows, 1),
+            None,
+            None,
+        ),
+        _row("policy.max_loss_diff_vs_baseline", loss_diff, "nats", None, None, None),
+    ]
+    for rank in range(WORLD):
+        mib, ref = group_rss[rank] / 2**20, base_rss[rank] / 2**20
+        rows.append(_row(f"policy.peak_rss.rank{rank}", mib, "MiB", ref, mib / ref, None))
+    return rows
+
+
+def _row(name, value, unit, reference, ratio, target) -> dict:
+    if ratio is None and reference:
+        ratio = value / reference
+    ok = True if target is None else ratio <= target
+    return {
+        "name": name,
+        "value": round(value, 4) if isinstance(value, float) else value,
+        "unit": unit,
+        "reference": None if reference is None else round(reference, 4),
+        "ratio": None if ratio is None else round(ratio, 4),
+        "target": target,
+        "ok": ok,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.baseline_rank is not None:
+        _baseline_child(args.baseline_rank, args.port)
+        return
+    for row in run():
+        ratio = "" if row["ratio"] is None else f"  ratio {row['ratio']:.3f}"
+        ref = "" if row["reference"] is None else f"  (reference {row['reference']})"
+        target = "" if row["target"] is None else f"  target <= {row['target']}"
+        flag = "ok" if row["ok"] else "OVER TARGET"
+        print(f"{row['name']:40s} {row['value']:>10} {row['unit']}{ref}{ratio}{target}  {flag}")
+
+
+if __name__ == "__main__":
+    main()
