@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import small_raw
+from small_run import small_raw
 
 from runtime.config import _max_train_steps, apply_override, load_config, validate_config
 from runtime.demo import demo_config

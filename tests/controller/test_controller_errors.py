@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import small_config
+from small_run import small_config
 
 from events import read_log
 from runtime.controller import SFTController

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import yaml
-from conftest import small_config, small_raw
+from small_run import small_config, small_raw
 
 from events import read_log, records_in_effect
 from runtime.checkpoints import CheckpointDir
