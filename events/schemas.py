@@ -31,6 +31,7 @@ class RunStarted(EventPayload):
     max_steps: int | None = None
     logical_world_size: int | None = None
     config_digest: str | None = None
+    node_ids: list[str] = Field(default_factory=list)
     host: str | None = None
     pid: int | None = None
 

@@ -40,7 +40,16 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)  # bad arguments: argparse exits with 2
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)  # bad arguments: argparse exits with 2
+    if extra:
+        # `train CONFIG --run-dir D key=value`: overrides may come after the options too
+        if getattr(args, "overrides", None) is not None and all(
+            "=" in item and not item.startswith("-") for item in extra
+        ):
+            args.overrides += extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except (UserInputError, EventLogError) as exc:

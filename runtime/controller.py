@@ -10,6 +10,8 @@ in `runtime.sft_v2` is this class made remote.
 from __future__ import annotations
 
 import math
+import os
+import socket
 import threading
 import time
 import warnings
@@ -124,6 +126,9 @@ class SFTController:
                 resumed_from_step=state.total_steps or None,
                 max_steps=self.max_steps,
                 logical_world_size=self.plan.logical_world_size,
+                node_ids=list(self.args.train_cluster.get("node_ids", [])),
+                host=socket.gethostname(),
+                pid=os.getpid(),
             )
         )
 
@@ -152,7 +157,10 @@ class SFTController:
         ]
         t0 = time.perf_counter()
         restored = self.args.loader_states
-        self.group.setup_loaders(factories, restored)
+        depth = cfg.data_plane.max_partitions  # batches an owner may hold: >= 2 prefetches
+        self.group.setup_loaders(
+            factories, restored, **({"prefetch_depth": depth} if depth > 1 else {})
+        )
         fault_point(
             "setup:after_loaders", step=self.model.save_state.total_steps, attempt=self._attempt
         )

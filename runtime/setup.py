@@ -8,6 +8,7 @@ Whatever fails, nothing is left behind: workers and placement group are torn dow
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from runtime.controller import checkpoint_root
 from runtime.data.placement import DataLoaderPlacementPlan, build_placement_plan
 from runtime.data.tokenizer import build_tokenizer
 from runtime.errors import UserInputError
+from runtime.policy.config import ClusterConfig
 from runtime.resume import find_resume_point
 from states import SFTV2SaveState, initial_save_state
 
@@ -50,18 +52,30 @@ def _restore_save_state(loaded: Any, *, placement_hash: str) -> SFTV2SaveState:
     return state
 
 
-def ensure_ray(cluster) -> bool:
-    """Connect to ``cluster.address``/RAY_ADDRESS, or start an embedded Ray. True if started."""
+def ensure_ray(cluster: ClusterConfig) -> bool:
+    """Connect to ``cluster.address``/RAY_ADDRESS, or start an embedded Ray. True if started.
+
+    ``ray.init`` waits minutes for an address where nothing answers, so a plain TCP probe
+    with a short timeout runs first; a cluster with fewer live nodes than
+    ``cluster.num_nodes`` is refused before anything is placed on it.
+    """
     import ray
 
     if ray.is_initialized():
         return False
     address = cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
+        if address != "auto":
+            _probe_address(address, cluster.connect_timeout_s)
         try:
             ray.init(address=address, logging_level="WARNING")
         except Exception as exc:  # noqa: BLE001 - any failure to connect is bad input
             raise UserInputError(f"cluster.address {address!r}: cannot connect ({exc})") from None
+        try:
+            _check_nodes(cluster, ray.nodes())
+        except UserInputError:
+            ray.shutdown()
+            raise
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     needed = cluster.world_size * cluster.cpus_per_worker
@@ -72,6 +86,30 @@ def ensure_ray(cluster) -> bool:
         logging_level="WARNING",
     )
     return True
+
+
+def _probe_address(address: str, timeout_s: float) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserInputError(
+            f"cluster.address {address!r}: expected HOST:PORT of the Ray head (or 'auto')"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UserInputError(
+            f"cluster.address {address!r}: nothing answers at {host}:{port} within "
+            f"{timeout_s:g}s ({exc.strerror or exc}); is `ray start --head` running there?"
+        ) from None
+
+
+def _check_nodes(cluster: ClusterConfig, nodes: list[dict]) -> None:
+    alive = [n for n in nodes if n.get("Alive")]
+    if len(alive) < cluster.num_nodes:
+        raise UserInputError(
+            f"cluster.num_nodes is {cluster.num_nodes} but the Ray cluster has {len(alive)} "
+            "live node(s); start the missing nodes with `ray start --address=HEAD:PORT`"
+        )
 
 
 def probe_run_lock(run_dir) -> None:
@@ -86,6 +124,7 @@ def probe_run_lock(run_dir) -> None:
 
 def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None) -> SFTV2ActorArgs:
     """Validate, start or join Ray, build the workers and the placement plan, find the resume."""
+    from runtime.policy.cluster import PlacementError
     from runtime.policy.group import PolicyWorkerGroup
     from runtime.policy.loss import NLLLossFn
 
@@ -113,7 +152,12 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
             "optimizer_path": str(optimizer) if optimizer.is_dir() else None,
             "rng_path": str(policy / "rng"),
         }
-    group = PolicyWorkerGroup(config.policy, config.cluster, seed=config.sft.seed, restore=restore)
+    try:
+        group = PolicyWorkerGroup(
+            config.policy, config.cluster, seed=config.sft.seed, restore=restore
+        )
+    except PlacementError as exc:
+        raise UserInputError(str(exc)) from None
     try:
         plan = build_placement_plan(
             group.sharding_annotations(), config.data.energon.topology_mapper

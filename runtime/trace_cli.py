@@ -23,11 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from traces.jaeger_json import write_json_atomic
-    from traces.tree import TraceFileError, build_tree, find_step, load_traces, render_tree
+    from traces.tree import TraceFileError, build_tree, find_step_trace, render_tree
 
     try:
-        traces = load_traces(args.run_dir)
-        span, trace, executions = find_step(traces, args.step)
+        span, trace, executions = find_step_trace(args.run_dir, args.step)
     except TraceFileError as exc:
         raise UserInputError(str(exc)) from exc
     has_parent = any(r.get("refType") == "CHILD_OF" for r in span.get("references") or ())

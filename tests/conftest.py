@@ -27,3 +27,11 @@ def ray_session(tmp_path_factory):
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory):
+    """A small prepared energon data set of synthetic chats (256 samples), built once."""
+    from runtime.data.demo import build_demo_dataset
+
+    return build_demo_dataset(tmp_path_factory.mktemp("data") / "demo", num_samples=256, seed=0)

@@ -132,6 +132,7 @@ class ClusterConfig(BaseModel):
     dist_timeout_s: float = Field(60.0, gt=0.0)
     call_timeout_s: float = Field(300.0, gt=0.0)
     placement_timeout_s: float = Field(60.0, gt=0.0)
+    connect_timeout_s: float = Field(10.0, gt=0.0)
     # Ray starts workers at niceness 15, so on a busy machine any other process starves the
     # training step; workers reset it to this value where permitted (None keeps Ray's).
     worker_niceness: int | None = Field(0, ge=-20, le=19)

@@ -1,0 +1,302 @@
+"""`setup_telemetry`: the one place that imports the OpenTelemetry SDK and its exporters.
+
+Every process of a run (driver, controller actor, each worker actor) calls it once with its
+role, rank and attempt. Library code only ever uses the API (`traces.context.TRACER`, the
+meter in `traces.metrics`); until this runs, and forever when telemetry is off, those are
+no-ops. The SDK is imported inside the functions below, not at module level, so importing
+this module (or calling it with telemetry off) loads nothing of the SDK.
+
+The global providers can be set once per process, so setup is idempotent: a second call
+returns the first handle. Shutdown and flush are bounded by ``shutdown_timeout_s`` even when
+an OTLP collector is down: the SDK's own flush ignores its timeout argument, so the work
+runs in a daemon thread that is abandoned when the bound passes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from traces.config import TelemetryConfig
+
+_LOCK = threading.Lock()
+_ACTIVE: Telemetry | None = None
+_TRACES_PATH, _METRICS_PATH = "v1/traces", "v1/metrics"
+METRIC_EXPORT_INTERVAL_S = 10.0
+# Room for a burst (a checkpoint's worth of steps) before the batch processor drops spans.
+MAX_QUEUED_SPANS = 8192
+
+
+@dataclass
+class Telemetry:
+    """What `setup_telemetry` installed in this process; a no-op handle when disabled.
+
+    ``memory_exporter`` (an ``InMemorySpanExporter``) and ``metric_reader`` (an
+    ``InMemoryMetricReader``) are set with the ``memory`` exporter, for tests.
+    """
+
+    enabled: bool = False
+    role: str = ""
+    rank: int | None = None
+    attempt: int | None = None
+    run_dir: Path | None = None
+    config: TelemetryConfig | None = None
+    tracer_provider: Any = None
+    meter_provider: Any = None
+    memory_exporter: Any = None
+    metric_reader: Any = None
+    span_exporters: list[Any] = field(default_factory=list)
+    closed: bool = False
+
+    def force_flush(self, timeout_s: float | None = None) -> bool:
+        """Push buffered spans and metrics out; True when done within the bound."""
+        if not self.enabled or self.closed:
+            return True
+        bound = timeout_s if timeout_s is not None else self._bound()
+
+        def flush() -> None:
+            millis = int(bound * 1000)
+            self.tracer_provider.force_flush(millis)
+            if self.meter_provider is not None:
+                self.meter_provider.force_flush(millis)
+
+        return _bounded("flush telemetry", flush, bound)
+
+    def shutdown(self) -> bool:
+        """Flush and shut down the providers within ``shutdown_timeout_s``; idempotent.
+
+        Returns False when the bound passed first (spans still queued are then lost,
+        which is the price of never holding up the end of a run on a dead collector).
+        """
+        if not self.enabled or self.closed:
+            return True
+        self.closed = True
+        bound = self._bound()
+        deadline = time.monotonic() + bound
+
+        def stop() -> None:
+            self.tracer_provider.shutdown()
+            if self.meter_provider is not None:
+                left = max(0.0, deadline - time.monotonic())
+                self.meter_provider.shutdown(timeout_millis=left * 1000)
+
+        return _bounded("shut down telemetry", stop, bound)
+
+    def _bound(self) -> float:
+        return self.config.shutdown_timeout_s if self.config is not None else 2.0
+
+
+def _bounded(what: str, fn: Callable[[], None], timeout_s: float) -> bool:
+    """Run fn in a daemon thread; give up waiting after timeout_s. Never raises."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below, never re-raised
+            errors.append(exc)
+
+    worker = threading.Thread(target=target, name=f"sft-telemetry-{what}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        warnings.warn(f"could not {what} within {timeout_s:.1f} s", RuntimeWarning, stacklevel=3)
+        return False
+    if errors:
+        exc = errors[0]
+        warnings.warn(
+            f"could not {what}: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3
+        )
+        return False
+    return True
+
+
+def active_telemetry() -> Telemetry | None:
+    """The handle installed in this process, if any."""
+    return _ACTIVE
+
+
+def setup_telemetry(
+    config: TelemetryConfig | None,
+    *,
+    role: str,
+    rank: int | None = None,
+    attempt: int | None = None,
+    run_dir: str | Path | None = None,
+) -> Telemetry:
+    """Install the SDK with the configured exporters for this process and return its handle.
+
+    With ``config`` None or disabled nothing is installed or imported and a no-op handle
+    comes back (and a later call may still install). Once installed, every later call
+    returns the same handle, whatever its arguments.
+    """
+    global _ACTIVE
+    with _LOCK:
+        if _ACTIVE is not None:
+            return _ACTIVE
+        rundir = Path(run_dir) if run_dir is not None else None
+        if config is None or not config.enabled or not _real_exporters(config):
+            return Telemetry(role=role, rank=rank, attempt=attempt, run_dir=rundir, config=config)
+        _ACTIVE = _install(config, role=role, rank=rank, attempt=attempt, run_dir=rundir)
+        atexit.register(_ACTIVE.shutdown)
+        return _ACTIVE
+
+
+def _real_exporters(config: TelemetryConfig) -> list[str]:
+    return [name for name in dict.fromkeys(config.exporters) if name != "none"]
+
+
+def resource_attributes(
+    config: TelemetryConfig, role: str, rank: int | None, attempt: int | None
+) -> dict[str, Any]:
+    """The attributes that tell processes apart in Jaeger ("process" tags) and OTLP backends."""
+    pid = os.getpid()
+    instance = role if rank is None else f"{role}-{rank}"
+    attrs: dict[str, Any] = {
+        "service.name": config.service_name,
+        "service.instance.id": f"{instance}-{socket.gethostname()}-{pid}",
+        "sft.role": role,
+        "sft.rank": rank,
+        "sft.attempt": attempt,
+        "host.name": socket.gethostname(),
+        "process.pid": pid,
+    }
+    return {k: v for k, v in attrs.items() if v is not None}
+
+
+def _signal_endpoint(base: str | None, path: str) -> str | None:
+    """The config's endpoint may be a base URL (like ``OTEL_EXPORTER_OTLP_ENDPOINT``) or the
+    full signal URL; None leaves the choice to the exporter, which reads the ``OTEL_*``
+    variables (``..._TRACES_ENDPOINT`` as is, ``OTEL_EXPORTER_OTLP_ENDPOINT`` + path)."""
+    if base is None:
+        return None
+    if base.rstrip("/").endswith(path):
+        return base
+    return f"{base.rstrip('/')}/{path}"
+
+
+def _install(
+    config: TelemetryConfig,
+    *,
+    role: str,
+    rank: int | None,
+    attempt: int | None,
+    run_dir: Path | None,
+) -> Telemetry:
+    from opentelemetry import metrics, trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    attrs = resource_attributes(config, role, rank, attempt)
+    resource = Resource.create(attrs)
+    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    handle = Telemetry(
+        enabled=True,
+        role=role,
+        rank=rank,
+        attempt=attempt,
+        run_dir=run_dir,
+        config=config,
+        tracer_provider=tracer_provider,
+    )
+    timeout_ms = int(config.export_timeout_s * 1000)
+    readers: list[Any] = []
+    for name in _real_exporters(config):
+        if name == "memory":
+            from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+            from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+                InMemorySpanExporter,
+            )
+
+            handle.memory_exporter = InMemorySpanExporter()
+            tracer_provider.add_span_processor(SimpleSpanProcessor(handle.memory_exporter))
+            handle.metric_reader = InMemoryMetricReader()
+            readers.append(handle.metric_reader)
+            handle.span_exporters.append(handle.memory_exporter)
+            continue
+        exporter = _span_exporter(name, config, attrs, attempt, run_dir)
+        if exporter is None:
+            continue
+        handle.span_exporters.append(exporter)
+        tracer_provider.add_span_processor(
+            BatchSpanProcessor(
+                exporter,
+                max_queue_size=MAX_QUEUED_SPANS,
+                schedule_delay_millis=1000,
+                export_timeout_millis=timeout_ms,
+            )
+        )
+        if name == "otlp":
+            readers.append(_otlp_metric_reader(config))
+    trace.set_tracer_provider(tracer_provider)
+    if readers:
+        from opentelemetry.sdk.metrics import MeterProvider
+
+        handle.meter_provider = MeterProvider(
+            metric_readers=readers, resource=resource, shutdown_on_exit=False
+        )
+        metrics.set_meter_provider(handle.meter_provider)
+    return handle
+
+
+def _span_exporter(
+    name: str,
+    config: TelemetryConfig,
+    attrs: dict[str, Any],
+    attempt: int | None,
+    run_dir: Path | None,
+) -> Any:
+    if name == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(
+            endpoint=_signal_endpoint(config.otlp_endpoint, _TRACES_PATH),
+            timeout=config.export_timeout_s,
+        )
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    if name == "jaeger_file":
+        if run_dir is None:
+            warnings.warn(
+                "telemetry exporter jaeger_file needs a run directory; spans not written",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        from traces.jaeger_file import JaegerFileExporter
+
+        return JaegerFileExporter(
+            run_dir,
+            process_key=f"{attrs['service.instance.id']}-{time.time_ns()}",
+            service_name=config.service_name,
+            resource_attributes=attrs,
+            attempt=attempt,
+            max_spans=config.jaeger_file_max_spans,
+        )
+    raise ValueError(f"unknown telemetry exporter {name!r}")
+
+
+def _otlp_metric_reader(config: TelemetryConfig) -> Any:
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    exporter = OTLPMetricExporter(
+        endpoint=_signal_endpoint(config.otlp_endpoint, _METRICS_PATH),
+        timeout=config.export_timeout_s,
+    )
+    return PeriodicExportingMetricReader(
+        exporter,
+        export_interval_millis=METRIC_EXPORT_INTERVAL_S * 1000,
+        export_timeout_millis=config.export_timeout_s * 1000,
+    )

@@ -1,0 +1,133 @@
+"""Span helpers on the API only: names, error marking, remote parents, and the step trace.
+
+Step traces: each ``rl.sft_v2.step`` is the root of its own trace, linked to the job span,
+not a child of it. Why:
+
+- Size. A child step would put every step of a run into the job's trace: 100k steps with
+  ~10-50 spans each is millions of spans in one trace, which Jaeger UI cannot render (it
+  loads a whole trace into the browser) and which no backend can show until the job ends.
+  One trace per step stays a few dozen spans, opens instantly, and is complete (and
+  searchable) as soon as the step ends.
+- Lookup. ``step_committed`` stores the step's trace id, so a log line leads to exactly one
+  small trace; search by tag ``step=N`` finds the same one. `sft-runtime trace --step N`
+  prints it.
+- Nothing is lost. The step span carries a ``FOLLOWS_FROM`` link to the job span (OTel link;
+  a Jaeger reference) and the job's trace id as ``sft.job.trace_id``, so the job trace
+  (driver, job, setup, saves, teardown) and each step trace point at each other. The job
+  trace stays small: setup, one save span per checkpoint, teardown.
+
+The cost is that Jaeger shows no single waterfall of the whole run; the metrics (and
+``metrics.jsonl``) are the view across steps, and a trace is the view inside one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode
+
+from traces.context import TRACER, attached
+
+DRIVER_SPAN = "rl.sft_v2.driver"
+JOB_SPAN = "rl.sft_v2.job"
+STEP_SPAN = "rl.sft_v2.step"
+POLICY_TRAINING_SPAN = "rl.sft_v2.policy_training"
+SAVE_SPAN = "rl.sft_v2.save"
+JOB_TRACE_ATTR = "sft.job.trace_id"
+
+
+def record_error(span: Span, exc: BaseException) -> None:
+    """Record the exception as a span event and set an ERROR status naming it.
+
+    Once per span: a span already marked ERROR (say, by the body before it re-raised into
+    `traced`) is left alone, so an error is never recorded twice.
+    """
+    status = getattr(span, "status", None)  # SDK spans expose it; API spans do not
+    if getattr(status, "status_code", None) is StatusCode.ERROR:
+        return
+    if span.is_recording():
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:200]))
+
+
+def set_attributes_lazily(span: Span, build: Callable[[], Mapping[str, Any]]) -> None:
+    """Compute attributes only when the span records (with telemetry off it never does)."""
+    if span.is_recording():
+        span.set_attributes(dict(build()))
+
+
+@contextmanager
+def traced(
+    name: str,
+    *,
+    carrier: dict[str, str] | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    links: list[Link] | None = None,
+    root: bool = False,
+) -> Iterator[Span]:
+    """A current span, under the remote caller's context when a carrier is given.
+
+    Any exception escaping the body (KeyboardInterrupt too) is recorded on the span with an
+    ERROR status and re-raised unchanged. ``root`` starts a new trace, ignoring both the
+    carrier and the current span.
+    """
+    with attached(None if root else carrier):
+        parent = otel_context.Context() if root else None
+        with TRACER.start_as_current_span(
+            name,
+            context=parent,
+            attributes=_clean(attributes),
+            links=links,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                yield span
+            except GeneratorExit:
+                raise
+            except BaseException as exc:
+                record_error(span, exc)
+                raise
+
+
+def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """OTel rejects None values (with a warning per call): drop them up front."""
+    if not attributes:
+        return None
+    return {k: v for k, v in attributes.items() if v is not None}
+
+
+def _span_context(job: Span | SpanContext | None) -> SpanContext:
+    if job is None:
+        return trace.get_current_span().get_span_context()
+    if isinstance(job, SpanContext):
+        return job
+    return job.get_span_context()
+
+
+@contextmanager
+def step_span(
+    step: int,
+    *,
+    attempt: int | None = None,
+    job: Span | SpanContext | None = None,
+    attributes: Mapping[str, Any] | None = None,
+) -> Iterator[Span]:
+    """The ``rl.sft_v2.step`` span: root of its own trace, linked to the job span.
+
+    ``job`` defaults to the current span (call it inside the job span). Errors are marked as
+    in `traced`. Worker spans join the step trace through `inject_carrier()` as usual.
+    """
+    job_ctx = _span_context(job)
+    attrs: dict[str, Any] = {"step": step, "attempt": attempt}
+    links = None
+    if job_ctx.is_valid:
+        links = [Link(job_ctx, {"sft.link": "job"})]
+        attrs[JOB_TRACE_ATTR] = f"{job_ctx.trace_id:032x}"
+    attrs.update(attributes or {})
+    with traced(STEP_SPAN, attributes=attrs, links=links, root=True) as span:
+        yield span
