@@ -25,9 +25,10 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     from runtime import inspect_cli
 
     inspect_cli.register(sub)
-    from runtime import train_cli
+    from runtime import trace_cli, train_cli
 
     train_cli.register(sub)
+    trace_cli.register(sub)
     if any(arg in _DATA_COMMANDS for arg in argv):
         from runtime.data import prepare_cli  # pulls in energon and torch: only when asked
 

@@ -14,24 +14,41 @@ import os
 import socket
 import threading
 import time
-import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry import trace
 
-from events import CheckpointSaved, LoadersReady, RunStarted, StepCommitted, open_log
+from events import CheckpointSaved, LoadersReady, RunStarted, open_log
 from runtime.checkpoints import CheckpointDir
+from runtime.cleanup import quietly
 from runtime.config import MasterConfig, _max_train_steps
 from runtime.data.config import build_loader_spec
 from runtime.data.loader import ColocatedLoader
 from runtime.faults import fault_point
 from runtime.metrics_log import MetricsLogger
-from runtime.save_checkpoint import state_metric, write_checkpoint
-from runtime.step_metrics import TIMING_KEYS, check_envelopes, sample_digest, step_metrics
+from runtime.save_checkpoint import save_policy_files, state_metric, write_checkpoint
+from runtime.step_metrics import (
+    SFT_V2_TEED_METRICS,
+    check_envelopes,
+    committed_event,
+    step_attributes,
+    step_metrics,
+)
 from states import ControllerModel, ControllerState, StepRules
-from traces.context import TRACER, attached, inject_carrier, span_ids
+from traces.context import attached, inject_carrier, span_ids
+from traces.metrics import StepInstruments
+from traces.setup import setup_telemetry
+from traces.spans import (
+    JOB_SPAN,
+    POLICY_TRAINING_SPAN,
+    SAVE_SPAN,
+    record_error,
+    set_attributes_lazily,
+    step_span,
+    traced,
+)
 
 S = ControllerState
 
@@ -64,6 +81,7 @@ class SFTController:
         self.log = None
         self.model: ControllerModel | None = None
         self.metrics: MetricsLogger | None = None
+        self.instruments = StepInstruments(SFT_V2_TEED_METRICS)
 
     # -- entry points --------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -71,11 +89,16 @@ class SFTController:
         self._stop.set()
 
     def run_with_trace_context(self, _otel_carrier: dict | None = None) -> dict[str, Any]:
-        with attached(_otel_carrier):
-            return self.run()
+        """`run` as a child of the driver's span; exports this process's spans at the end."""
+        telemetry = setup_telemetry(self.config.telemetry, role="controller", run_dir=self.run_dir)
+        try:
+            with attached(_otel_carrier):
+                return self.run()
+        finally:
+            telemetry.force_flush()
 
     def run(self) -> dict[str, Any]:
-        with TRACER.start_as_current_span("rl.sft_v2.job") as job:
+        with traced(JOB_SPAN) as job:
             self._open()
             start_step = self.model.save_state.total_steps
             reason, error = "completed", None
@@ -90,12 +113,9 @@ class SFTController:
                         self._save_checkpoint()
                 reason = self._end_reason()
             except BaseException as exc:
-                reason, error = (
-                    ("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"),
-                    exc,
-                )
-                job.record_exception(exc)
-                job.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+                interrupted = isinstance(exc, KeyboardInterrupt)
+                reason, error = ("interrupted" if interrupted else "failed"), exc
+                record_error(job, exc)
                 raise
             finally:
                 self._close(reason, error)
@@ -156,6 +176,7 @@ class SFTController:
             for c in plan.copies
         ]
         t0 = time.perf_counter()
+        self._all_call("setup_telemetry", cfg.telemetry, str(self.run_dir), self._attempt)
         restored = self.args.loader_states
         depth = cfg.data_plane.max_partitions  # batches an owner may hold: >= 2 prefetches
         self.group.setup_loaders(
@@ -176,8 +197,7 @@ class SFTController:
 
     def _run_one_step(self) -> None:
         step = self.model.save_state.total_steps + 1
-        attrs = {"step": step, "attempt": self.log.attempt}
-        with TRACER.start_as_current_span("rl.sft_v2.step", attributes=attrs) as span:
+        with step_span(step, attempt=self._attempt) as span:
             t0 = time.perf_counter()
             phase, policy_open, batch_active = "loading", False, True
             try:
@@ -200,47 +220,26 @@ class SFTController:
                 phase = "metrics"
                 self._checkpoint_metric(metrics)
                 phase = "commit"
-                with TRACER.start_as_current_span("rl.sft_v2.commit"):
+                with traced("rl.sft_v2.commit"):
                     self._owner_call("commit_sft_batch")
                 batch_active = False
                 fault_point("stepping:after_commit", step=step, attempt=self._attempt)
                 phase = "record"
-                trace_id, span_id = span_ids(span)
-                payload = StepCommitted(
-                    step=step,
-                    source_samples=metrics["source_samples"],
-                    valid_tokens=metrics["valid_tokens"],
-                    physical_packs=metrics["physical_packs"],
-                    loss=metrics["loss"],
-                    grad_norm=metrics["grad_norm"],
-                    lr=metrics["lr"],
-                    timings={k: float(metrics[k]) for k in TIMING_KEYS if k in metrics},
-                    sample_digests=[sample_digest(e.source_ids) for e in envelopes],
-                    trace_id=trace_id,
-                    span_id=span_id,
-                )
-                with TRACER.start_as_current_span("rl.sft_v2.event_append"):
+                payload = committed_event(step, metrics, envelopes, *span_ids(span))
+                with traced("rl.sft_v2.event_append"):
                     self.model.commit(event=payload)
                 fault_point("stepping:after_append", step=step, attempt=self._attempt)
             except BaseException as exc:
-                span.record_exception(exc)
-                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:200]))
+                record_error(span, exc)
                 self._abort_step(exc, phase, policy_open=policy_open, batch_active=batch_active)
                 raise
             self._last_metrics = metrics
             self._losses.append(metrics["loss"])
             self.metrics.log(step, metrics)
-            if span.is_recording():
-                state = self.model.save_state
-                span.set_attributes(
-                    {
-                        "loss": metrics["loss"],
-                        "grad_norm": metrics["grad_norm"],
-                        "valid_tokens": metrics["valid_tokens"],
-                        "consumed_samples": state.consumed_samples,
-                        "total_step_time": metrics["total_step_time"],
-                    }
-                )
+            self.instruments.record(metrics, {"attempt": self._attempt})
+            set_attributes_lazily(
+                span, lambda: step_attributes(metrics, self.model.save_state.consumed_samples)
+            )
 
     def _load_envelopes(self) -> list:
         envelopes = self._owner_call("load_next_sft_batch")
@@ -249,7 +248,7 @@ class SFTController:
 
     def _run_train_step(self) -> list[dict[str, Any]]:
         """begin / train / finish on every worker, submitted back to back, one wait."""
-        with TRACER.start_as_current_span("rl.sft_v2.policy_training"):
+        with traced(POLICY_TRAINING_SPAN):
             carrier = inject_carrier()
             g = self.group
             refs = g.submit("begin_train_step", self.args.loss_fn, _otel_carrier=carrier)
@@ -277,26 +276,33 @@ class SFTController:
         return state_metric(self.config.checkpointing.metric_name, metrics)
 
     def _save_checkpoint(self) -> None:
-        state = self.model.save_state
-        rules = self.model.rules
+        state, rules, attempt = self.model.save_state, self.model.rules, self._attempt
         kinds = rules.save_kinds(state, now=time.time(), stopping=self.model.stop_requested)
-        with TRACER.start_as_current_span("rl.sft_v2.save", attributes={"step": state.total_steps}):
+        with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
             t0 = time.perf_counter()
             metric = self._checkpoint_metric(self._last_metrics) if self._last_metrics else None
+            save_policy = partial(
+                save_policy_files,
+                self.group,
+                save_optimizer=self.config.checkpointing.save_optimizer,
+                final=rules.budget_reached(state),
+                carrier=inject_carrier(),
+            )
+            info = {
+                "kinds": list(kinds),
+                "metric_name": self.config.checkpointing.metric_name,
+                "metric": metric,
+                "attempt": attempt,
+                "num_threads_per_worker": self.config.cluster.num_threads_per_worker,
+            }
             path = write_checkpoint(
                 self.ckpt,
-                attempt=self._attempt,
+                attempt=attempt,
                 save_state=state,
-                save_policy=self._save_policy,
+                save_policy=save_policy,
                 loader_states=self._loader_state_dicts(),
                 config=self.config.model_dump(mode="json"),
-                info={
-                    "kinds": list(kinds),
-                    "metric_name": self.config.checkpointing.metric_name,
-                    "metric": metric,
-                    "attempt": self.log.attempt,
-                    "num_threads_per_worker": self.config.cluster.num_threads_per_worker,
-                },
+                info=info,
             )
             self.model.saved(
                 event=CheckpointSaved(
@@ -309,31 +315,19 @@ class SFTController:
                     seconds=time.perf_counter() - t0,
                 )
             )
-        fault_point("saving:after_record", step=state.total_steps, attempt=self._attempt)
-        _quietly("prune old checkpoints", self.ckpt.prune)
-
-    def _save_policy(self, policy_dir: Path) -> None:
-        optimizer = policy_dir / "optimizer" if self.config.checkpointing.save_optimizer else None
-        self.group.run(
-            "save_checkpoint",
-            str(policy_dir / "weights"),
-            None if optimizer is None else str(optimizer),
-            None,  # the tokenizer spec is in config.yaml
-            self.model.rules.budget_reached(self.model.save_state),
-            rng_path=str(policy_dir / "rng"),
-            _otel_carrier=inject_carrier(),
-        )
+        fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
+        quietly("prune old checkpoints", self.ckpt.prune)
 
     def _abort_step(
         self, exc: BaseException, phase: str, *, policy_open: bool, batch_active: bool
     ) -> None:
         """Undo what the step opened, record `step_aborted`; cleanup failures only warn."""
         if policy_open:
-            _quietly("abort the policy step", lambda: self._all_call("abort_train_step"))
+            quietly("abort the policy step", lambda: self._all_call("abort_train_step"))
         if batch_active:
-            _quietly("abort the loader batches", lambda: self._owner_call("abort_sft_batch"))
-        span = _current_span_ids()
-        _quietly(
+            quietly("abort the loader batches", lambda: self._owner_call("abort_sft_batch"))
+        span = span_ids(trace.get_current_span())
+        quietly(
             "record step_aborted",
             lambda: self.model.fail(error=exc, phase=phase, trace_id=span[0], span_id=span[1]),
         )
@@ -343,14 +337,15 @@ class SFTController:
 
     def _close(self, reason: str, error: BaseException | None) -> None:
         """Teardown in order: loaders, logger, checkpoints, telemetry; then run_stopped."""
-        _quietly("close the loaders", self._close_loaders)
+        quietly("close the loaders", self._close_loaders)
+        quietly("export the workers' spans", lambda: self._all_call("flush_telemetry"))
         if self.metrics is not None:
-            _quietly("close the metrics logger", self.metrics.close)
+            quietly("close the metrics logger", self.metrics.close)
         if self.model is not None and self.log is not None:
             if self.model.state in (S.setup, S.loading):
-                _quietly("close the machine", self.model.close)
+                quietly("close the machine", self.model.close)
             elif self.model.state is S.saving:
-                _quietly("close the machine", lambda: self.model.fail(error=error))
+                quietly("close the machine", lambda: self.model.fail(error=error))
             if self.model.state is S.closing:
                 fault_point(
                     "closing:before_stop",
@@ -358,7 +353,7 @@ class SFTController:
                     attempt=self._attempt,
                 )
                 msg = None if error is None else f"{type(error).__name__}: {error}"[:2000]
-                _quietly("record run_stopped", lambda: self.model.finish(reason=reason, error=msg))
+                quietly("record run_stopped", lambda: self.model.finish(reason=reason, error=msg))
         if self.log is not None:
             self.log.close()
 
@@ -389,19 +384,3 @@ class SFTController:
             "checkpoints": self.ckpt.steps(),
             "run_dir": str(self.run_dir),
         }
-
-
-def _current_span_ids() -> tuple[str | None, str | None]:
-    from opentelemetry import trace
-
-    return span_ids(trace.get_current_span())
-
-
-def _quietly(what: str, fn: Any) -> None:
-    """Cleanup never hides the original error: a failure here becomes a warning."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001
-        warnings.warn(
-            f"could not {what}: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2
-        )

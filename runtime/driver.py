@@ -17,10 +17,13 @@ from typing import Any
 import orjson
 import ray
 
+from runtime.cleanup import quietly
 from runtime.config import MasterConfig
 from runtime.faults import fault_point
 from runtime.sft_v2 import SFTSingleControllerActor, setup_sft_v2
-from traces.context import TRACER, inject_carrier
+from traces.context import inject_carrier
+from traces.setup import setup_telemetry
+from traces.spans import DRIVER_SPAN, traced
 
 
 class RunInterrupted(Exception):
@@ -87,39 +90,69 @@ def run_training(
     Raises `RunInterrupted` after a clean stop on a signal, and the original error when a
     step fails.
     """
-    with TRACER.start_as_current_span("rl.sft_v2.driver"):
-        args = setup_sft_v2(config, tokenizer)
-        controller = None
-        try:
-            fault_point("driver:after_setup")
-            controller = SFTSingleControllerActor.remote(config, args)
-            ref = controller.run_with_trace_context.remote(_otel_carrier=inject_carrier())
-            tail = MetricsTail(Path(config.logger.log_dir or ".") / "metrics.jsonl")
-            asked = 0
-            with _Signals() as signals:
-                while True:
-                    done, _ = ray.wait([ref], timeout=0.25)
-                    if on_step is not None:
-                        for row in tail.new_rows():
-                            on_step(row)
-                    if done:
-                        break
-                    if signals.count > asked:
-                        asked = signals.count
-                        if asked == 1:
-                            controller.request_stop.remote()
-                            if on_stop_request is not None:
-                                on_stop_request()
-                        else:
-                            raise KeyboardInterrupt("second signal: stopping at once")
-            summary = ray.get(ref)
-            if on_step is not None:
-                for row in tail.new_rows():
-                    on_step(row)
-            if summary["reason"] == "interrupted":
-                raise RunInterrupted(summary)
+    run_dir = Path(config.logger.log_dir or ".")
+    telemetry = setup_telemetry(config.telemetry, role="driver", run_dir=run_dir)
+    summary: dict[str, Any] | None = None
+    try:
+        with traced(DRIVER_SPAN):
+            summary = _drive(config, tokenizer, on_step, on_stop_request)
             return summary
-        finally:
-            if controller is not None:
-                ray.kill(controller, no_restart=True)
-            args.trainer.shutdown()
+    except RunInterrupted as exc:
+        summary = exc.summary
+        raise
+    finally:
+        _export_traces(telemetry, config, run_dir, summary)
+
+
+def _export_traces(telemetry: Any, config: MasterConfig, run_dir: Path, summary) -> None:
+    """Flush this process's spans and merge every process's into the run's Jaeger files."""
+    telemetry.force_flush()
+    tel = config.telemetry
+    if tel is not None and tel.enabled and "jaeger_file" in tel.exporters:
+        from traces.merge import merge_trace_files
+
+        attempt = (summary or {}).get("attempt")
+        quietly(
+            "merge the trace files",
+            lambda: merge_trace_files(
+                run_dir, max_spans=tel.jaeger_file_max_spans, default_attempt=attempt
+            ),
+        )
+
+
+def _drive(config, tokenizer, on_step, on_stop_request) -> dict[str, Any]:
+    args = setup_sft_v2(config, tokenizer)
+    controller = None
+    try:
+        fault_point("driver:after_setup")
+        controller = SFTSingleControllerActor.remote(config, args)
+        ref = controller.run_with_trace_context.remote(_otel_carrier=inject_carrier())
+        tail = MetricsTail(Path(config.logger.log_dir or ".") / "metrics.jsonl")
+        asked = 0
+        with _Signals() as signals:
+            while True:
+                done, _ = ray.wait([ref], timeout=0.25)
+                if on_step is not None:
+                    for row in tail.new_rows():
+                        on_step(row)
+                if done:
+                    break
+                if signals.count > asked:
+                    asked = signals.count
+                    if asked == 1:
+                        controller.request_stop.remote()
+                        if on_stop_request is not None:
+                            on_stop_request()
+                    else:
+                        raise KeyboardInterrupt("second signal: stopping at once")
+        summary = ray.get(ref)
+        if on_step is not None:
+            for row in tail.new_rows():
+                on_step(row)
+        if summary["reason"] == "interrupted":
+            raise RunInterrupted(summary)
+        return summary
+    finally:
+        if controller is not None:
+            ray.kill(controller, no_restart=True)
+        args.trainer.shutdown()

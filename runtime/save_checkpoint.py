@@ -71,3 +71,19 @@ def write_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def save_policy_files(
+    group: Any, policy_dir: Path, *, save_optimizer: bool, final: bool, carrier: dict
+) -> None:
+    """Every worker writes its share: rank 0 weights (+ optimizer), each rank its RNG."""
+    optimizer = policy_dir / "optimizer" if save_optimizer else None
+    group.run(
+        "save_checkpoint",
+        str(policy_dir / "weights"),
+        None if optimizer is None else str(optimizer),
+        None,  # the tokenizer spec is in config.yaml
+        final,
+        rng_path=str(policy_dir / "rng"),
+        _otel_carrier=carrier,
+    )

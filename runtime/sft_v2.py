@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import ray
 
 # The private seed names are re-exported here for the specification's tests.
@@ -15,41 +13,15 @@ from runtime.setup import (  # noqa: F401
     _restore_save_state,
     setup_sft_v2,
 )
-from runtime.step_metrics import (
+from runtime.step_metrics import (  # noqa: F401
     LOADER_LATENCY_MAX_KEY,
     POLICY_TIME_KEY,
+    SFT_V2_TEED_METRICS,
     TOTAL_STEP_TIME_KEY,
     VALID_TOKENS_PER_SECOND_KEY,
+    TeedMetric,
 )
 from states import SFTV2SaveState
-
-
-@dataclass(frozen=True)
-class TeedMetric:
-    """A logger key mirrored to an OpenTelemetry instrument."""
-
-    key: str
-    instrument: str
-    unit: str
-    description: str
-
-
-SFT_V2_TEED_METRICS: tuple[TeedMetric, ...] = (
-    TeedMetric(
-        LOADER_LATENCY_MAX_KEY,
-        "rl.sft_v2.loader.latency.max",
-        "s",
-        "Slowest loader owner's time to deliver its batch",
-    ),
-    TeedMetric(POLICY_TIME_KEY, "rl.sft_v2.policy.duration", "s", "Policy training time of a step"),
-    TeedMetric(TOTAL_STEP_TIME_KEY, "rl.sft_v2.step.duration", "s", "Wall time of a whole step"),
-    TeedMetric(
-        VALID_TOKENS_PER_SECOND_KEY,
-        "rl.sft_v2.valid_tokens_per_second",
-        "{token}/s",
-        "Supervised tokens trained per second",
-    ),
-)
 
 # Threaded (max_concurrency=2) so that `request_stop` reaches a controller busy in `run`.
 SFTSingleControllerActor = ray.remote(num_cpus=0, max_concurrency=2, max_restarts=0)(SFTController)

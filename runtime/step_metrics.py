@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from events import StepCommitted
 from runtime.data.batch import StepEnvelope
 
 LOADER_LATENCY_MAX_KEY = "loader_latency_max"
@@ -68,6 +70,33 @@ def step_metrics(
     return metrics
 
 
+@dataclass(frozen=True)
+class TeedMetric:
+    """A logger key mirrored to an OpenTelemetry instrument."""
+
+    key: str
+    instrument: str
+    unit: str
+    description: str
+
+
+SFT_V2_TEED_METRICS: tuple[TeedMetric, ...] = (
+    TeedMetric(
+        LOADER_LATENCY_MAX_KEY,
+        "rl.sft_v2.loader.latency.max",
+        "s",
+        "Slowest loader owner's time to deliver its batch",
+    ),
+    TeedMetric(POLICY_TIME_KEY, "rl.sft_v2.policy.duration", "s", "Policy training time of a step"),
+    TeedMetric(TOTAL_STEP_TIME_KEY, "rl.sft_v2.step.duration", "s", "Wall time of a whole step"),
+    TeedMetric(
+        VALID_TOKENS_PER_SECOND_KEY,
+        "rl.sft_v2.valid_tokens_per_second",
+        "{token}/s",
+        "Supervised tokens trained per second",
+    ),
+)
+
 TIMING_KEYS = (
     LOADER_LATENCY_MAX_KEY,
     "loader_latency_mean",
@@ -78,3 +107,37 @@ TIMING_KEYS = (
     "allreduce_s",
     "optimizer_s",
 )
+
+
+def committed_event(
+    step: int,
+    metrics: dict[str, Any],
+    envelopes: Sequence[StepEnvelope],
+    trace_id: str | None,
+    span_id: str | None,
+) -> StepCommitted:
+    """The `step_committed` payload: counters, loss, timings, per-rank sample digests."""
+    return StepCommitted(
+        step=step,
+        source_samples=metrics["source_samples"],
+        valid_tokens=metrics["valid_tokens"],
+        physical_packs=metrics["physical_packs"],
+        loss=metrics["loss"],
+        grad_norm=metrics["grad_norm"],
+        lr=metrics["lr"],
+        timings={k: float(metrics[k]) for k in TIMING_KEYS if k in metrics},
+        sample_digests=[sample_digest(e.source_ids) for e in envelopes],
+        trace_id=trace_id,
+        span_id=span_id,
+    )
+
+
+def step_attributes(metrics: dict[str, Any], consumed_samples: int) -> dict[str, Any]:
+    """Attributes of a finished ``rl.sft_v2.step`` span."""
+    return {
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "valid_tokens": metrics["valid_tokens"],
+        "consumed_samples": consumed_samples,
+        "total_step_time": metrics["total_step_time"],
+    }

@@ -30,6 +30,7 @@ from runtime.policy.config import PolicyConfig
 from runtime.policy.loss import NLLLossFn
 from runtime.policy.model import build_model
 from runtime.policy.schedule import lr_at
+from traces.context import TRACER
 
 CHECKPOINT_FORMAT = 1
 
@@ -148,7 +149,8 @@ class DPTrainer:
             dtype=torch.float32,
             device=self.device,
         )
-        flat = self._all_reduce(torch.cat([g.reshape(-1) for g in grads] + [tail]))
+        with TRACER.start_as_current_span("rl.sft_v2.allreduce"):
+            flat = self._all_reduce(torch.cat([g.reshape(-1) for g in grads] + [tail]))
         if not ready:
             phase = "begin_train_step" if step is None else "train_step"
             raise RuntimeError(f"finish_train_step called before a successful {phase}")
@@ -161,12 +163,13 @@ class DPTrainer:
             offset += n
         global_nll = float(flat[-2].item())
         t1 = time.perf_counter()
-        grad_norm = self._clip()
-        lr = lr_at(self.steps_done, self.policy.optimizer.lr, self.policy.scheduler)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.model.zero_grad(set_to_none=True)
+        with TRACER.start_as_current_span("rl.sft_v2.optimizer"):
+            grad_norm = self._clip()
+            lr = lr_at(self.steps_done, self.policy.optimizer.lr, self.policy.scheduler)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.model.zero_grad(set_to_none=True)
         self.steps_done += 1
         self._open = None
         t2 = time.perf_counter()

@@ -40,6 +40,7 @@ from runtime.faults import fault_point
 from runtime.policy import checkpoint as ckpt
 from runtime.policy.config import ClusterConfig, PolicyConfig
 from runtime.policy.trainer import DPTrainer
+from traces.spans import traced
 
 
 class PolicyWorkerBase:
@@ -97,6 +98,26 @@ class PolicyWorkerBase:
         )
         return {"rank": self.rank, "backend": backend}
 
+    def setup_telemetry(
+        self, config: Any, run_dir: str | None, attempt: int | None = None, **_: Any
+    ) -> bool:
+        """Install this process's exporters (once per process; no-op when disabled)."""
+        from traces.setup import setup_telemetry
+
+        self._telemetry = setup_telemetry(
+            config, role="worker", rank=self.rank, attempt=attempt, run_dir=run_dir
+        )
+        return self._telemetry.enabled
+
+    def flush_telemetry(self, **_: Any) -> bool:
+        """Export buffered spans now: an actor killed later runs no exit hooks."""
+        telemetry = getattr(self, "_telemetry", None)
+        return True if telemetry is None else telemetry.force_flush()
+
+    @property
+    def _attrs(self) -> dict[str, int]:
+        return {"rank": self.rank}
+
     def node_id(self, *, _otel_carrier: dict | None = None) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -112,21 +133,33 @@ class PolicyWorkerBase:
         self,
         factory: Callable[[], BatchSource],
         restored_state: dict | None = None,
+        prefetch_depth: int = 1,
         *,
         _otel_carrier: dict | None = None,
     ) -> None:
-        """Build this rank's loader from ``factory()`` and restore its position."""
+        """Build this rank's loader from ``factory()`` and restore its position.
+
+        ``prefetch_depth`` >= 2 (``data_plane.max_partitions``) wraps it in a
+        `PrefetchingLoader` that reads up to that many batches ahead in a background thread.
+        """
         if self._loader is not None:
             raise RuntimeError(f"rank {self.rank}: the SFT dataloader is already set up")
-        loader = factory()
+        if prefetch_depth > 1:
+            from runtime.data.prefetch import PrefetchingLoader
+
+            loader = PrefetchingLoader(factory, prefetch_depth)
+        else:
+            loader = factory()
         loader.setup(restored_state)
         self._loader = loader
 
     def load_next_sft_batch(self, *, _otel_carrier: dict | None = None) -> StepEnvelope:
-        return self._require_loader().load()
+        with traced("rl.sft_v2.load", carrier=_otel_carrier, attributes={"rank": self.rank}):
+            return self._require_loader().load()
 
     def commit_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
-        self._require_loader().commit()
+        with traced("rl.sft_v2.loader_commit", carrier=_otel_carrier, attributes=self._attrs):
+            self._require_loader().commit()
 
     def abort_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
         self._require_loader().abort()
@@ -152,17 +185,20 @@ class PolicyWorkerBase:
         self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
     ) -> dict[str, int]:
         """Open a step on the active batch; all-reduce the supervised-token count."""
-        return self.trainer.begin(loss_fn, lambda: self._require_loader().active_batch)
+        with traced("rl.sft_v2.begin_step", carrier=_otel_carrier, attributes=self._attrs):
+            return self.trainer.begin(loss_fn, lambda: self._require_loader().active_batch)
 
     def train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """Forward/backward on this rank's active batch (gradient accumulation)."""
         fault_point("worker:train", step=self.trainer.steps_done + 1, rank=self.rank)
-        return self.trainer.train(self._require_loader().active_batch)
+        with traced("rl.sft_v2.forward_backward", carrier=_otel_carrier, attributes=self._attrs):
+            return self.trainer.train(self._require_loader().active_batch)
 
     def finish_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """All-reduce gradients, clip, step AdamW and the LR schedule; the step's metrics."""
         fault_point("worker:finish", step=self.trainer.steps_done + 1, rank=self.rank)
-        return self.trainer.finish()
+        with traced("rl.sft_v2.finish_step", carrier=_otel_carrier, attributes=self._attrs):
+            return self.trainer.finish()
 
     def run_train_step(
         self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
