@@ -85,9 +85,11 @@ def _train(config, console=None) -> int:
         console=console,
         transient=False,
     )
-    task = progress.add_task("train", total=total, info="starting Ray and the workers ...")
+    task = progress.add_task("train", total=total, info="")
 
     def on_step(row: dict) -> None:
+        if not progress.live.is_started:
+            progress.start()
         m = row.get("train", {})
         info = f"loss {m.get('loss', 0):.4f}  {m.get('valid_tokens_per_second', 0):,.0f} tok/s"
         progress.update(task, completed=row["step"], info=info)
@@ -95,12 +97,15 @@ def _train(config, console=None) -> int:
     def on_stop() -> None:
         console.print("stop requested: finishing the step and saving (signal again to abort)")
 
+    console.print(f"starting Ray and {config.cluster.world_size} workers for {run_dir} ...")
     try:
-        with progress:
-            summary = run_training(config, on_step=on_step, on_stop_request=on_stop)
+        summary = run_training(config, on_step=on_step, on_stop_request=on_stop)
     except RunInterrupted as exc:
+        progress.stop()
         _report(console, exc.summary, run_dir)
         return EXIT_INTERRUPTED
+    finally:
+        progress.stop()
     _report(console, summary, run_dir)
     return 0
 
