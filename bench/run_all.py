@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.table import render  # noqa: E402
 
-BENCHMARKS = ["events", "loader", "policy"]
+BENCHMARKS = ["events", "loader", "policy", "tracing", "step"]
 
 
 def main() -> int:

@@ -16,6 +16,7 @@ epoch rotates the worker order after its next epoch boundary, which breaks exact
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from pathlib import Path
@@ -163,7 +164,8 @@ class ColocatedLoader:
             ):
                 raise LoaderStateMismatchError("not a colocated loader state (format/version)")
             check_fingerprint(restored_state["fingerprint"], self.fingerprint())
-            energon_state = restored_state["energon_state"]
+            # energon's restore mutates the state it is given: keep the caller's intact
+            energon_state = copy.deepcopy(restored_state["energon_state"])
             self._committed_steps = int(restored_state["committed_steps"])
             self._committed_samples = int(restored_state["committed_samples"])
         self._build(energon_state)
@@ -272,7 +274,9 @@ class ColocatedLoader:
         batch = self._next_batch()
         self._state_before_active = state_before
         self._active = batch
-        seconds = time.perf_counter() - start
+        return self._envelope(batch, time.perf_counter() - start)
+
+    def _envelope(self, batch: SFTBatch, seconds: float) -> StepEnvelope:
         epoch_length = self.spec.virtual_epoch_length
         extra = {"step_index": self._committed_steps}
         if epoch_length:
@@ -288,6 +292,50 @@ class ColocatedLoader:
             physical_packs=batch.num_rows,
             extra=extra,
         )
+
+    def fetch_ahead(self) -> tuple[Any, SFTBatch]:
+        """Fetch the next batch WITHOUT making it active: (energon state before it, batch).
+
+        For read-ahead wrappers (`runtime.data.prefetch`). The batch is not consumed: it only
+        counts once it is passed to `activate_fetched` and committed. Allowed while a batch
+        is active (the read-ahead runs past it); `abort()` then rewinds to the state before
+        the active batch, which discards every batch fetched ahead as well. Not thread-safe
+        with respect to the other methods that touch energon (`abort`, `state_dict`, `close`):
+        the caller serializes them.
+        """
+        self._require_loader()
+        state_before = self._loader.save_state_rank()
+        return state_before, self._next_batch()
+
+    def activate_fetched(
+        self, state_before: Any, batch: SFTBatch, load_seconds: float
+    ) -> StepEnvelope:
+        """Make a batch from `fetch_ahead` the active one, exactly as if `load()` fetched it.
+
+        Batches must be activated in the order they were fetched, each after the previous
+        one was committed.
+        """
+        self._require_loader()
+        if self._active is not None:
+            raise RuntimeError("a batch is already active: commit() or abort() it first")
+        self._state_before_active = state_before
+        self._active = batch
+        return self._envelope(batch, load_seconds)
+
+    def state_dict_at(self, energon_state: Any) -> dict:
+        """`state_dict()` with a given energon position (the state before the oldest batch
+        fetched ahead but not yet committed), for read-ahead wrappers."""
+        self._require_loader()
+        if self._active is not None:
+            raise RuntimeError("cannot save the loader state while a batch is active")
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint(),
+            "committed_steps": self._committed_steps,
+            "committed_samples": self._committed_samples,
+            "energon_state": energon_state,
+        }
 
     @property
     def active_batch(self) -> SFTBatch:
@@ -319,13 +367,4 @@ class ColocatedLoader:
     def state_dict(self) -> dict:
         """The state after the last committed batch, with its fingerprint."""
         self._require_loader()
-        if self._active is not None:
-            raise RuntimeError("cannot save the loader state while a batch is active")
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "fingerprint": self.fingerprint(),
-            "committed_steps": self._committed_steps,
-            "committed_samples": self._committed_samples,
-            "energon_state": self._loader.save_state_rank(),
-        }
+        return self.state_dict_at(self._loader.save_state_rank())

@@ -201,13 +201,18 @@ class PolicyWorkerGroup:
         self,
         factories: Sequence[Callable[[], BatchSource]],
         restored_states: Sequence[dict | None] | None = None,
+        prefetch_depth: int = 1,
     ) -> None:
-        """One picklable factory (and optional restored state) per loader-owner rank."""
+        """One picklable factory (and optional restored state) per loader-owner rank.
+
+        ``prefetch_depth`` >= 2 makes every owner read that many batches ahead.
+        """
         states = list(restored_states) if restored_states is not None else [None] * len(factories)
         self.run(
             "setup_sft_dataloader",
             ranks="owners",
             per_rank_args=list(zip(factories, states, strict=True)),
+            prefetch_depth=prefetch_depth,
         )
 
     def load_batches(self) -> list[StepEnvelope]:
