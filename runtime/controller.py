@@ -25,7 +25,7 @@ from runtime.checkpoints import CheckpointDir
 from runtime.cleanup import quietly
 from runtime.config import MasterConfig, _max_train_steps
 from runtime.data.config import build_loader_spec
-from runtime.data.loader import ColocatedLoader
+from runtime.data.factory import build_colocated_loader
 from runtime.faults import fault_point
 from runtime.metrics_log import MetricsLogger
 from runtime.save_checkpoint import save_policy_files, state_metric, write_checkpoint
@@ -171,7 +171,11 @@ class SFTController:
             )
         factories = [
             partial(
-                ColocatedLoader, spec, c.logical_rank, c.logical_world_size, plan.placement_hash
+                build_colocated_loader,
+                spec,
+                c.logical_rank,
+                c.logical_world_size,
+                plan.placement_hash,
             )
             for c in plan.copies
         ]

@@ -19,9 +19,10 @@ Token layout (the model predicts token t from tokens < t of the same segment):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # the controller imports the envelope without loading torch
+    import torch
 
 
 @dataclass

@@ -25,7 +25,6 @@ from runtime.data.batch import BatchSource, StepEnvelope
 from runtime.errors import UserInputError
 from runtime.policy.cluster import create_placement_group, remove_placement_group_quietly
 from runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout, parse_section
-from runtime.policy.worker import PolicyWorker
 
 Ranks = Literal["all", "owners"] | Sequence[int]
 
@@ -85,13 +84,17 @@ class PolicyWorkerGroup:
                 placement_group_bundle_index=rank,
                 placement_group_capture_child_tasks=False,
             )
-            actor = PolicyWorker.options(
-                num_cpus=self.cluster.cpus_per_worker,
-                num_gpus=self.cluster.gpus_per_worker,
-                scheduling_strategy=strategy,
-                max_restarts=0,
-                max_task_retries=0,
-            ).remote(rank, self.world_size, self.policy, self.cluster, seed)
+            actor = (
+                _worker_class()
+                .options(
+                    num_cpus=self.cluster.cpus_per_worker,
+                    num_gpus=self.cluster.gpus_per_worker,
+                    scheduling_strategy=strategy,
+                    max_restarts=0,
+                    max_task_retries=0,
+                )
+                .remote(rank, self.world_size, self.policy, self.cluster, seed)
+            )
             self.workers.append(actor)
 
     # ----------------------------------------------------------------- layout
@@ -306,3 +309,11 @@ def _failure(method: str, failures: list[tuple[int, BaseException]]) -> PolicyWo
     err = kind(f"{method} failed: " + "; ".join(parts), [r for r, _ in failures])
     err.__cause__ = failures[0][1]
     return err
+
+
+def _worker_class() -> Any:
+    """The actor class, imported on first use: unpickling a group (in the controller) then
+    needs no torch."""
+    from runtime.policy.worker import PolicyWorker
+
+    return PolicyWorker

@@ -8,10 +8,12 @@ single-process loss on the global batch, whatever the split into ranks and micro
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from runtime.data.batch import SFTBatch
+
+if TYPE_CHECKING:  # imported where the loss runs (the workers), not where it is built
+    import torch
 
 
 class NLLLossFn:
@@ -32,6 +34,9 @@ class NLLLossFn:
         The returned loss is ``sum(nll * mask) / global_valid_tokens``: summed over ranks and
         micro-batches it is the global mean.
         """
+        import torch
+        import torch.nn.functional as F
+
         targets = batch.input_ids[:, 1:].to(logits.device)
         mask = batch.loss_mask[:, 1:].to(device=logits.device, dtype=torch.float32)
         nll = F.cross_entropy(
