@@ -92,6 +92,11 @@ def cmd_events(args: argparse.Namespace) -> int:
             extra = ""
             if rec.type == "step_committed":
                 extra = f"loss={rec.data['loss']:.6g} trace={rec.data.get('trace_id') or '-'}"
+            elif rec.type == "step_aborted":
+                extra = (
+                    f"{rec.data['phase']}: {rec.data['error_type']} "
+                    f"trace={rec.data.get('trace_id') or '-'}"
+                )
             elif rec.type == "run_stopped":
                 extra = rec.data["reason"]
             print(
