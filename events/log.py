@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import time as _time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -211,11 +212,21 @@ class EventLog:
         self.close()
 
 
-def open_log(run_dir: Path | str, *, durable_types=DURABLE_TYPES, fsync: bool = True) -> EventLog:
-    """Open (creating if needed) ``<run_dir>/events.jsonl`` for writing, under the run lock."""
+def open_log(
+    run_dir: Path | str,
+    *,
+    durable_types=DURABLE_TYPES,
+    fsync: bool = True,
+    owner: dict | None = None,
+) -> EventLog:
+    """Open (creating if needed) ``<run_dir>/events.jsonl`` for writing, under the run lock.
+
+    ``owner`` (plain data, e.g. the driver's pid and host) is written into the lock file
+    next to this process's pid and host, so a refused run can say who holds the directory.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock_fd = _acquire_lock(run_dir / LOCK_NAME)
+    lock_fd = acquire_lock(run_dir / LOCK_NAME, owner)
     try:
         sink = _FileSink(run_dir / LOG_NAME, fsync)
         try:
@@ -228,19 +239,31 @@ def open_log(run_dir: Path | str, *, durable_types=DURABLE_TYPES, fsync: bool = 
         raise
 
 
-def _acquire_lock(path: Path) -> int:
+def lock_holder(path: Path) -> dict:
+    """What the lock file says about its holder ({} when it says nothing readable)."""
+    try:
+        data = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def acquire_lock(path: Path, owner: dict | None = None) -> int:
+    """Take the run directory's lock (released by the kernel when the process dies)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
+        holder = lock_holder(path)
+        who = f"pid {holder.get('pid', 'unknown')} on {holder.get('host', 'an unknown host')}"
         raise EventLogLocked(
-            f"{path.parent} is already being written by another run (pid {holder}); "
+            f"{path.parent} is already being written by another run ({who}); "
             "stop that run or choose another run directory"
         ) from None
+    info = {"pid": os.getpid(), "host": socket.gethostname(), **(owner or {})}
     os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    os.pwrite(fd, orjson.dumps(info), 0)
     return fd
 
 

@@ -27,6 +27,7 @@ from runtime.config import MasterConfig, _max_train_steps
 from runtime.data.config import build_loader_spec
 from runtime.data.factory import build_colocated_loader
 from runtime.faults import fault_point
+from runtime.liveness import check_driver
 from runtime.metrics_log import MetricsLogger
 from runtime.save_checkpoint import save_policy_files, state_metric, write_checkpoint
 from runtime.step_metrics import (
@@ -105,6 +106,7 @@ class SFTController:
             try:
                 self._setup_loaders()
                 while self.model.state is S.loading:
+                    self._check_driver()
                     self.model.stop_requested = self._stop.is_set()
                     if self.model.halt():
                         break
@@ -124,7 +126,9 @@ class SFTController:
     # -- phases --------------------------------------------------------------------------
     def _open(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log = open_log(self.run_dir)
+        cluster = self.args.train_cluster
+        owner = {k: cluster[k] for k in ("driver_pid", "driver_host") if k in cluster}
+        self.log = open_log(self.run_dir, owner=owner)
         state = self.args.save_state
         ck = self.config.checkpointing
         deadline = ck.deadline_seconds
@@ -224,6 +228,7 @@ class SFTController:
                 phase = "metrics"
                 self._checkpoint_metric(metrics)
                 phase = "commit"
+                self._check_driver()  # a killed run commits no step after its driver died
                 with traced("rl.sft_v2.commit"):
                     self._owner_call("commit_sft_batch")
                 batch_active = False
@@ -360,6 +365,9 @@ class SFTController:
                 quietly("record run_stopped", lambda: self.model.finish(reason=reason, error=msg))
         if self.log is not None:
             self.log.close()
+
+    def _check_driver(self) -> None:
+        check_driver(self.args.train_cluster)
 
     @property
     def _attempt(self) -> int | None:

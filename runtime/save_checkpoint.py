@@ -24,6 +24,10 @@ from states import SFTV2SaveState
 CHECKPOINT_FORMAT = 1
 
 
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (disk full, say): the run stops, nothing saved is lost."""
+
+
 def state_metric(metric_name: str | None, metrics: dict[str, Any]) -> float | None:
     """The value of ``train:<key>`` among a step's metrics; unknown keys list the known."""
     if metric_name is None:
@@ -68,6 +72,13 @@ def write_checkpoint(
         final = ckpt.commit(step, tmp, full_info)
         fault_point("saving:after_rename", step=step, attempt=attempt)
         return final
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(
+            exc.errno,
+            f"could not write checkpoint {ckpt.path(step)} ({exc.strerror or exc}); the "
+            "previous checkpoints and the event log are unchanged",
+        ) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from events.errors import EventLogLocked
-from events.log import LOCK_NAME, _acquire_lock
+from events.log import LOCK_NAME, acquire_lock, lock_holder
 from runtime.checkpoints import CheckpointDir
 from runtime.config import MasterConfig
 from runtime.controller import checkpoint_root
 from runtime.data.placement import DataLoaderPlacementPlan, build_placement_plan
 from runtime.data.tokenizer import build_tokenizer
 from runtime.errors import UserInputError
+from runtime.liveness import driver_alive, driver_identity
 from runtime.policy.config import ClusterConfig
 from runtime.resume import find_resume_point
 from states import SFTV2SaveState, initial_save_state
+
+LOCK_WAIT_S = 15.0
 
 
 @dataclass
@@ -112,14 +116,30 @@ def _check_nodes(cluster: ClusterConfig, nodes: list[dict]) -> None:
         )
 
 
-def probe_run_lock(run_dir) -> None:
-    """Refuse early when another live run writes this run directory."""
+def probe_run_lock(run_dir: Path, wait_s: float = LOCK_WAIT_S) -> None:
+    """Refuse early when another live run writes this run directory.
+
+    The controller that holds the lock records its driver. When that driver is gone (a run
+    killed a moment ago), its Ray actors still hold the lock for a few seconds before Ray
+    reaps them, so the probe waits up to ``wait_s`` for them; a live driver, or one on
+    another host, means a live run and is refused at once.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = _acquire_lock(run_dir / LOCK_NAME)
-    except EventLogLocked as exc:
-        raise UserInputError(str(exc)) from None
-    os.close(fd)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fd = acquire_lock(run_dir / LOCK_NAME)
+        except EventLogLocked as exc:
+            if time.monotonic() >= deadline or not _holder_orphaned(run_dir / LOCK_NAME):
+                raise UserInputError(str(exc)) from None
+            time.sleep(0.5)
+            continue
+        os.close(fd)
+        return
+
+
+def _holder_orphaned(lock: Path) -> bool:
+    return driver_alive(lock_holder(lock)) is False
 
 
 def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None) -> SFTV2ActorArgs:
@@ -183,7 +203,11 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
         return SFTV2ActorArgs(
             trainer=group,
             loss_fn=NLLLossFn(),
-            train_cluster={"world_size": group.world_size, "node_ids": group.node_ids()},
+            train_cluster={
+                "world_size": group.world_size,
+                "node_ids": group.node_ids(),
+                **driver_identity(),
+            },
             placement_plan=plan,
             save_state=state,
             loader_states=resume.loader_states if resume.step else None,

@@ -24,6 +24,7 @@ from typing import Any
 
 from runtime.data.batch import SFTBatch, StepEnvelope
 from runtime.data.config import LoaderSpec
+from runtime.data.integrity import DataSetError, check_enough_samples, explain_load_error
 from runtime.data.tokenizer import build_tokenizer
 from runtime.errors import UserInputError
 
@@ -168,6 +169,9 @@ class ColocatedLoader:
             energon_state = copy.deepcopy(restored_state["energon_state"])
             self._committed_steps = int(restored_state["committed_steps"])
             self._committed_samples = int(restored_state["committed_samples"])
+        check_enough_samples(
+            self._data_path, self.spec.split, self.logical_world_size, self.spec.num_workers
+        )
         self._build(energon_state)
 
     def _build(self, energon_state: Any) -> None:
@@ -196,18 +200,24 @@ class ColocatedLoader:
             packing_algorithm=spec.packing_algorithm,
             max_sequences_per_bin=spec.max_sequences_per_bin,
         )
-        dataset = get_train_dataset(
-            str(self._data_path),
-            split_part=spec.split,
-            worker_config=worker_config,
-            batch_size=spec.batch_size,
-            shuffle_buffer_size=spec.shuffle_buffer_size,
-            max_samples_per_sequence=None,
-            # Endless stream; our virtual epochs are counted in steps (see config.py).
-            virtual_epoch_length=0,
-            packing_buffer_size=spec.packing_buffer_size,
-            task_encoder=task_encoder,
-        )
+        try:
+            dataset = get_train_dataset(
+                str(self._data_path),
+                split_part=spec.split,
+                worker_config=worker_config,
+                batch_size=spec.batch_size,
+                shuffle_buffer_size=spec.shuffle_buffer_size,
+                max_samples_per_sequence=None,
+                # Endless stream; our virtual epochs are counted in steps (see config.py).
+                virtual_epoch_length=0,
+                packing_buffer_size=spec.packing_buffer_size,
+                task_encoder=task_encoder,
+            )
+        except Exception as exc:  # noqa: BLE001 - energon's checks are asserts and ValueErrors
+            raise DataSetError(
+                f"data.train.path {str(self._data_path)!r}: energon cannot open the data set "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
         extra: dict[str, Any] = {}
         if spec.num_workers >= 2:
             # Per-sample snapshots: otherwise a state saved in a restored loader before every
@@ -263,6 +273,11 @@ class ColocatedLoader:
                 f"{self._data_path} split {self.spec.split!r} yields no batches for "
                 f"logical rank {self.logical_rank}"
             ) from None
+        except Exception as exc:
+            explained = explain_load_error(self._data_path, self.spec.split, exc)
+            if explained is None:
+                raise
+            raise explained from exc
 
     def load(self) -> StepEnvelope:
         """Fetch the next batch (kept in `active_batch`) and describe it."""

@@ -67,7 +67,10 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
     path = os.path.join(directory, WEIGHTS_FILE)
     if not os.path.exists(path):
         raise UserInputError(f"checkpoint weights not found: {path}")
-    return load_file(path)
+    try:
+        return load_file(path)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types for bad files
+        raise UserInputError(f"{path}: unreadable weights ({type(exc).__name__}: {exc})") from exc
 
 
 def save_torch(path: str, obj: Any) -> str:
@@ -78,7 +81,10 @@ def save_torch(path: str, obj: Any) -> str:
 def load_torch(path: str, what: str) -> Any:
     if not os.path.exists(path):
         raise UserInputError(f"checkpoint {what} not found: {path}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file is bad input
+        raise UserInputError(f"{path}: unreadable {what} ({type(exc).__name__}: {exc})") from exc
 
 
 def capture_rng(num_threads: int) -> dict[str, Any]:

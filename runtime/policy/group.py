@@ -36,6 +36,9 @@ class PolicyWorkerError(RuntimeError):
         super().__init__(message)
         self.ranks = ranks
 
+    def __reduce__(self):  # crosses Ray from the controller to the driver intact
+        return (type(self), (str(self), self.ranks))
+
 
 class PolicyWorkerInputError(PolicyWorkerError, UserInputError):
     """A worker refused bad user input (a config value, a checkpoint): CLI exit code 2."""
@@ -172,6 +175,7 @@ class PolicyWorkerGroup:
                 except Exception as exc:  # noqa: BLE001 - collected and re-raised below
                     failures.append((rank_of[ref], exc))
             if failures:
+                failures += _settle(pending, rank_of, BLAME_GRACE_S)
                 raise _failure(method, failures)
         return [results[ref] for _, ref in refs]
 
@@ -288,6 +292,25 @@ class PolicyWorkerGroup:
                 pass
         pg, self.placement_group = self.placement_group, None
         remove_placement_group_quietly(pg)
+
+
+BLAME_GRACE_S = 1.0
+
+
+def _settle(pending: list, rank_of: dict, grace_s: float) -> list[tuple[int, BaseException]]:
+    """Failures of calls still pending after a short grace period.
+
+    When a worker dies its peers fail too (a gloo "connection reset"), sometimes first;
+    waiting a moment lets the dead actor's own error arrive, so the right rank is blamed.
+    """
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+    failures = []
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception as exc:  # noqa: BLE001 - collected for the report
+            failures.append((rank_of[ref], exc))
+    return failures
 
 
 def _failure(method: str, failures: list[tuple[int, BaseException]]) -> PolicyWorkerError:

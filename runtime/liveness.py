@@ -1,0 +1,48 @@
+"""Whether the process that started a run is still there.
+
+Ray reaps a dead driver's actors only after a second or two; a controller that checks at
+each step boundary (and before each commit) stops at once instead of training on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+
+class DriverGone(RuntimeError):
+    """The process that started the run is gone; its controller stops with it."""
+
+
+def driver_identity() -> dict[str, Any]:
+    """Recorded by setup (in `train_cluster`) and by the controller (in the run lock)."""
+    return {"driver_pid": os.getpid(), "driver_host": socket.gethostname()}
+
+
+def driver_alive(info: dict[str, Any]) -> bool | None:
+    """True/False for a driver on this host, None when it cannot be told from here."""
+    pid = info.get("driver_pid")
+    if not isinstance(pid, int) or info.get("driver_host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return None
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """A killed process that its parent has not reaped yet still answers `kill(pid, 0)`."""
+    try:
+        stat = open(f"/proc/{pid}/stat", "rb").read()  # noqa: SIM115 - one short read
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"Z"
+
+
+def check_driver(info: dict[str, Any]) -> None:
+    if driver_alive(info) is False:
+        raise DriverGone(f"the driver (pid {info['driver_pid']}) exited; stopping this run")
