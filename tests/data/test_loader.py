@@ -190,8 +190,6 @@ def test_close_releases_files_threads_and_processes(make_loader, workers):
     assert open_shards() == 0
     # only threads this loader started count: Ray (when a test of this session started it)
     # keeps its own threads coming and going
-    leaked = [
-        t for t in threading.enumerate() if t not in before and not t.name.startswith("ray")
-    ]
+    leaked = [t for t in threading.enumerate() if t not in before and not t.name.startswith("ray")]
     assert leaked == [], [t.name for t in leaked]
     assert multiprocessing.active_children() == []
