@@ -40,6 +40,7 @@ def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 150) -> 
         "logger": {"log_dir": str(run_dir)},
         "cluster": {"workers_per_node": 2, "cpus_per_worker": 1.0, "num_threads_per_worker": 1},
         "checkpointing": {"enabled": True, "save_period": 25, "metric_name": "train:loss"},
+        "telemetry": {"enabled": True, "exporters": ["jaeger_file"]},
     }
     return validate_config(raw, source="demo config")
 

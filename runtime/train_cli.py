@@ -48,7 +48,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not (data_dir / ".nv-meta").is_dir():
         console.print(f"building the synthetic chat data set in {data_dir} ...")
         build_demo_dataset(data_dir, num_samples=1024, seed=0)
-    config = demo_config(args.run_dir, data_dir, args.steps)
+    config = demo_config(args.run_dir, data_dir, _demo_budget(args.run_dir, args.steps))
     before = greedy_completions(config, None)
     code = _train(config, console=console)
     from runtime.checkpoints import CheckpointDir
@@ -130,4 +130,24 @@ def _report(console, summary: dict | None, run_dir: Path) -> None:
     console.print(f"events:      {run_dir / 'events.jsonl'}  (sft-runtime events {run_dir})")
     console.print(f"metrics:     {run_dir / 'metrics.jsonl'}")
     console.print(f"checkpoints: {summary['checkpoints']} under {run_dir / 'checkpoints'}")
-    console.print(f"traces:      {run_dir / 'traces'}")
+    merged = sorted((run_dir / "traces").glob("run-attempt*.json"))
+    if merged:
+        console.print(f"traces:      {merged[-1]}  (Jaeger UI: Search -> Upload; or")
+        console.print(f"             sft-runtime trace {run_dir} --step N)")
+    else:
+        console.print("traces:      off (set telemetry.enabled=true)")
+
+
+def _demo_budget(run_dir: Path, steps: int) -> int:
+    """A finished demo run trains ``steps`` more when run again; an interrupted one resumes
+    to its budget."""
+    from events import history, read_log
+    from events.log import log_path
+    from states import replay
+
+    if not log_path(run_dir).is_file():
+        return steps
+    attempts = history(read_log(run_dir)).attempts
+    done = replay(run_dir).total_steps
+    finished = bool(attempts) and attempts[-1].stop_reason == "completed"
+    return done + steps if finished else max(steps, done)
