@@ -108,7 +108,9 @@ class SFTController:
                 while self.model.state is S.loading:
                     self._check_driver()
                     self.model.stop_requested = self._stop.is_set()
-                    if self.model.halt():
+                    if self.model.halt():  # to saving first when steps are unsaved
+                        if self.model.state is S.saving:
+                            self._save_checkpoint()
                         break
                     self._run_one_step()
                     if self.model.state is S.saving:
@@ -274,8 +276,9 @@ class SFTController:
     def _all_call(self, method: str, *args: Any) -> list[Any]:
         return self.group.run(method, *args, _otel_carrier=inject_carrier())
 
-    def _loader_state_dicts(self) -> list[dict]:
-        return self._owner_call("sft_dataloader_state_dict")
+    def _loader_state_dicts(self) -> list[bytes]:
+        """Each owner's loader state, pickled in the worker (see `dump_loader_state`)."""
+        return self._owner_call("sft_dataloader_state_bytes")
 
     def _should_save(self) -> bool:
         return self.model.state is S.saving

@@ -14,7 +14,7 @@ from pathlib import Path
 from events import read_log, records_in_effect
 from events.log import log_path
 from runtime.checkpoints import LOADERS_NAME, CheckpointDir
-from runtime.data.safe_pickle import loads_loader_states
+from runtime.data.safe_pickle import loader_state_blobs
 from runtime.errors import UserInputError
 from states import SFTV2SaveState, replay
 
@@ -74,7 +74,7 @@ def check_checkpoint(reader, ckpt: CheckpointDir, step: int) -> tuple[SFTV2SaveS
     if not loaders.is_file():
         raise UserInputError(f"{loaders}: missing; the checkpoint has no loader states")
     try:
-        states = loads_loader_states(loaders.read_bytes())
+        states = loader_state_blobs(loaders.read_bytes())
     except UserInputError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file is bad input

@@ -47,7 +47,7 @@ def write_checkpoint(
     *,
     save_state: SFTV2SaveState,
     save_policy: Callable[[Path], Any],
-    loader_states: list[dict],
+    loader_states: list[bytes],
     config: dict[str, Any],
     info: dict[str, Any],
     attempt: int | None = None,

@@ -40,6 +40,12 @@ STATES = list(ControllerState)
 TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "start", "source": "setup", "dest": None, "before": "record"},
     {"trigger": "loaders_ready", "source": "setup", "dest": "loading", "before": "record"},
+    {
+        "trigger": "halt",
+        "source": "loading",
+        "dest": "saving",
+        "conditions": ["should_stop", "unsaved_steps"],
+    },
     {"trigger": "halt", "source": "loading", "dest": "closing", "conditions": "should_stop"},
     {"trigger": "batch_loaded", "source": "loading", "dest": "stepping"},
     {
@@ -112,6 +118,7 @@ class ControllerModel:
         self.save_state = save_state or initial_save_state()
         self.clock = clock
         self.stop_requested = False
+        self.last_saved_step = self.save_state.total_steps  # a resume starts from a checkpoint
         self.machine = build_machine(self)
 
     # -- guards ---------------------------------------------------------------------------
@@ -124,6 +131,10 @@ class ControllerModel:
             cached = step_committed(self.save_state, payload.model_dump())
             event._next_save_state = cached
         return cached
+
+    def unsaved_steps(self, event: EventData) -> bool:
+        """Steps committed since the last checkpoint (a stop between steps saves them)."""
+        return self.rules.checkpointing and self.save_state.total_steps > self.last_saved_step
 
     def save_due(self, event: EventData) -> bool:
         state = self._prospective(event)
@@ -142,7 +153,10 @@ class ControllerModel:
             self.save_state = step_committed(self.save_state, payload.model_dump())
 
     def record(self, event: EventData) -> None:
-        self._append(event.kwargs["event"])
+        payload = event.kwargs["event"]
+        self._append(payload)
+        if payload.event_type == "checkpoint_saved":
+            self.last_saved_step = payload.step
 
     def record_step(self, event: EventData) -> None:
         self._append(event.kwargs["event"])
@@ -194,7 +208,10 @@ def mermaid() -> str:
         sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
         label = row["trigger"]
         if "conditions" in row:
-            label += f" [{row['conditions']}]"
+            conditions = row["conditions"]
+            label += (
+                f" [{' and '.join(conditions) if isinstance(conditions, list) else conditions}]"
+            )
         for source in sources:
             lines.append(f"    {source} --> {row['dest'] or source}: {label}")
     lines.append("    closed --> [*]")

@@ -36,7 +36,7 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 )
 _TORCH_STORAGE_LOADER = ("torch.storage", "_load_from_bytes")
 _FORMAT = "sft_v2_loader_states"
-_VERSION = 1
+_VERSION = 2  # 2: each state pickled on its own (the controller never unpickles them)
 
 
 class UnsafePickleError(UserInputError):
@@ -71,14 +71,22 @@ def safe_loads(data: bytes) -> Any:
         raise UnsafePickleError(f"cannot read loader states: {type(exc).__name__}: {exc}") from exc
 
 
+def dump_loader_state(state: dict) -> bytes:
+    """One rank's state as bytes: made in the worker that owns the loader, so the process
+    that writes the checkpoint never needs energon's classes."""
+    return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def dumps_loader_states(states: list) -> bytes:
-    """Serialize one state per logical DP rank (from `ColocatedLoader.state_dict`)."""
-    payload = {"format": _FORMAT, "version": _VERSION, "states": list(states)}
+    """Serialize one state per logical DP rank (dicts from `ColocatedLoader.state_dict`, or
+    bytes from `dump_loader_state`)."""
+    blobs = [s if isinstance(s, bytes) else dump_loader_state(s) for s in states]
+    payload = {"format": _FORMAT, "version": _VERSION, "states": blobs}
     return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def loads_loader_states(data: bytes) -> list:
-    """Inverse of `dumps_loader_states`, through the allow-list unpickler."""
+def loader_state_blobs(data: bytes) -> list[bytes]:
+    """The per-rank state blobs of a loader-states file, checked to unpickle safely."""
     payload = safe_loads(data)
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
         raise UnsafePickleError("not a loader-states file (missing format marker)")
@@ -87,7 +95,19 @@ def loads_loader_states(data: bytes) -> list:
             f"loader-states version {payload.get('version')!r} is not supported (expected "
             f"{_VERSION})"
         )
-    states = payload.get("states")
-    if not isinstance(states, list):
-        raise UnsafePickleError("loader-states file has no list of states")
-    return states
+    blobs = payload.get("states")
+    if not isinstance(blobs, list) or not all(isinstance(b, bytes) for b in blobs):
+        raise UnsafePickleError("loader-states file has no list of per-rank states")
+    for blob in blobs:
+        safe_loads(blob)  # refuse a crafted state here, before any worker sees it
+    return blobs
+
+
+def loads_loader_states(data: bytes) -> list:
+    """Inverse of `dumps_loader_states`, through the allow-list unpickler."""
+    return [safe_loads(blob) for blob in loader_state_blobs(data)]
+
+
+def load_loader_state(state: dict | bytes | None) -> dict | None:
+    """A restored state as the loader wants it (blobs go through the allow-list)."""
+    return safe_loads(state) if isinstance(state, bytes) else state

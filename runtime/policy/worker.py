@@ -132,7 +132,7 @@ class PolicyWorkerBase:
     def setup_sft_dataloader(
         self,
         factory: Callable[[], BatchSource],
-        restored_state: dict | None = None,
+        restored_state: dict | bytes | None = None,
         prefetch_depth: int = 1,
         *,
         _otel_carrier: dict | None = None,
@@ -150,7 +150,9 @@ class PolicyWorkerBase:
             loader = PrefetchingLoader(factory, prefetch_depth)
         else:
             loader = factory()
-        loader.setup(restored_state)
+        from runtime.data.safe_pickle import load_loader_state
+
+        loader.setup(load_loader_state(restored_state))
         self._loader = loader
 
     def load_next_sft_batch(self, *, _otel_carrier: dict | None = None) -> StepEnvelope:
@@ -166,6 +168,12 @@ class PolicyWorkerBase:
 
     def sft_dataloader_state_dict(self, *, _otel_carrier: dict | None = None) -> dict:
         return self._require_loader().state_dict()
+
+    def sft_dataloader_state_bytes(self, *, _otel_carrier: dict | None = None) -> bytes:
+        """The state, pickled here: the controller writes it without unpickling it."""
+        from runtime.data.safe_pickle import dump_loader_state
+
+        return dump_loader_state(self._require_loader().state_dict())
 
     def close_sft_dataloader(self, *, _otel_carrier: dict | None = None) -> None:
         loader, self._loader = self._loader, None

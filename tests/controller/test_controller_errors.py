@@ -34,8 +34,8 @@ class StubGroup:
             return StepEnvelope(rank, 2, [f"s{rank}"], ["input_ids"], [10], 0.001, 9, 1)
         if method in ("finish_train_step",):
             return {"loss": 2.0, "grad_norm": 1.0, "lr": 0.1, "valid_tokens": 18}
-        if method == "sft_dataloader_state_dict":
-            return {"rank": rank}
+        if method == "sft_dataloader_state_bytes":
+            return f"state of rank {rank}".encode()
         return None
 
     def run(self, method, *args, ranks="all", **kwargs):

@@ -190,3 +190,25 @@ def test_mermaid_diagram_shows_every_row_of_the_table():
         sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
         for source in sources:
             assert f"{source} --> {row['dest'] or source}: {row['trigger']}" in text
+
+
+def test_a_stop_between_steps_saves_unsaved_steps_first():
+    model = ControllerModel(StepRules(max_steps=100, save_period=10), log=EventLog.in_memory())
+    _ready(model)
+    model.batch_loaded()
+    model.commit(event=step_event(1))
+    assert model.state is S.loading  # step 1 is not a save step
+    model.stop_requested = True
+    assert model.halt() is True and model.state is S.saving
+    model.saved(event=_checkpoint(model))
+    assert model.state is S.closing and model.last_saved_step == 1
+
+
+def test_a_stop_right_after_a_checkpoint_closes_without_saving_again():
+    model = ControllerModel(StepRules(max_steps=100, save_period=1), log=EventLog.in_memory())
+    _ready(model)
+    model.batch_loaded()
+    model.commit(event=step_event(1))
+    model.saved(event=_checkpoint(model))
+    model.stop_requested = True
+    assert model.halt() is True and model.state is S.closing
