@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -188,8 +189,16 @@ def test_close_releases_files_threads_and_processes(make_loader, workers):
     assert workers == 0 or multiprocessing.active_children()
     loader.close()
     assert open_shards() == 0
+
     # only threads this loader started count: Ray (when a test of this session started it)
     # keeps its own threads coming and going
-    leaked = [t for t in threading.enumerate() if t not in before and not t.name.startswith("ray")]
-    assert leaked == [], [t.name for t in leaked]
+    def leaked() -> list[threading.Thread]:
+        return [
+            t for t in threading.enumerate() if t not in before and not t.name.startswith("ray")
+        ]
+
+    deadline = time.monotonic() + 10  # queue feeder threads finish just after their queue closes
+    while leaked() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leaked() == [], [t.name for t in leaked()]
     assert multiprocessing.active_children() == []
