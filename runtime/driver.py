@@ -131,7 +131,7 @@ def _drive(config, tokenizer, on_step, on_stop_request) -> dict[str, Any]:
         asked = 0
         with _Signals() as signals:
             while True:
-                done, _ = ray.wait([ref], timeout=0.25)
+                done, _ = ray.wait([ref], timeout=0.1)
                 if on_step is not None:
                     for row in tail.new_rows():
                         on_step(row)
