@@ -1,10 +1,9 @@
 """`SFTController`: the single controller's run loop, a short sequence of trigger calls.
 
-The loop reads like the recipe: set up the loaders, then while the machine is in
-``loading`` either halt or run one step, and save when the machine went to ``saving``.
-The table in `states.machine` says which moves exist; this module only does the work of
-each phase and fires the trigger that records it. The Ray actor `SFTSingleControllerActor`
-in `runtime.sft_v2` is this class made remote.
+The loop reads like the recipe: set up the loaders, then while in ``loading`` halt or run
+one step, and save when the machine went to ``saving``. The table in `states.machine` says
+which moves exist; this module does each phase's work and fires the trigger that records
+it. `runtime.sft_v2.SFTSingleControllerActor` is this class made remote.
 """
 
 from __future__ import annotations
