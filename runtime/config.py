@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from runtime.data.config import DataConfig, SequencePackingConfig
+from runtime.data.config import DataConfig, LoaderSpec, SequencePackingConfig, build_loader_spec
 from runtime.data.tokenizer import TokenizerSpec
 from runtime.errors import UserInputError
 from runtime.policy.config import ClusterConfig, PolicyConfig
@@ -256,3 +256,17 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
         if found is not None:
             return found
     return None
+
+
+def loader_spec(config: MasterConfig, logical_world_size: int) -> LoaderSpec:
+    """The spec every loader owner of this run builds its loader from."""
+    return build_loader_spec(
+        config.data,
+        global_batch_size=config.policy.train_global_batch_size,
+        logical_world_size=logical_world_size,
+        seed=config.sft.seed,
+        packing=config.policy.sequence_packing,
+        tokenizer=config.policy.tokenizer,
+        make_sequence_length_divisible_by=config.policy.make_sequence_length_divisible_by,
+        only_unmask_final=config.sft.only_unmask_final,
+    )

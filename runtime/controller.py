@@ -19,20 +19,26 @@ from typing import Any
 
 from opentelemetry import trace
 
-from events import CheckpointSaved, LoadersReady, RunStarted, open_log
+from events import LoadersReady, RunStarted, open_log
 from runtime.checkpoints import CheckpointDir
 from runtime.cleanup import quietly
-from runtime.config import MasterConfig, _max_train_steps
-from runtime.data.config import build_loader_spec
+from runtime.config import MasterConfig, _max_train_steps, loader_spec
 from runtime.data.factory import build_colocated_loader
 from runtime.faults import fault_point
 from runtime.liveness import check_driver
 from runtime.metrics_log import MetricsLogger
-from runtime.save_checkpoint import save_policy_files, state_metric, write_checkpoint
+from runtime.save_checkpoint import (
+    config_yaml,
+    save_policy_files,
+    saved_event,
+    state_metric,
+    write_checkpoint,
+)
 from runtime.step_metrics import (
     SFT_V2_TEED_METRICS,
     check_envelopes,
     committed_event,
+    run_summary,
     step_attributes,
     step_metrics,
 )
@@ -79,9 +85,11 @@ class SFTController:
         self._last_metrics: dict[str, Any] = {}
         self._losses: list[float] = []
         self.log = None
+        self._commit_pending = False  # the last step's loader commit is not sent yet
         self.model: ControllerModel | None = None
         self.metrics: MetricsLogger | None = None
         self.instruments = StepInstruments(SFT_V2_TEED_METRICS)
+        self._config_yaml = config_yaml(master_config.model_dump(mode="json"))
 
     # -- entry points --------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -159,29 +167,15 @@ class SFTController:
 
     def _setup_loaders(self) -> None:
         cfg, plan = self.config, self.plan
-        spec = build_loader_spec(
-            cfg.data,
-            global_batch_size=cfg.policy.train_global_batch_size,
-            logical_world_size=plan.logical_world_size,
-            seed=cfg.sft.seed,
-            packing=cfg.policy.sequence_packing,
-            tokenizer=cfg.policy.tokenizer,
-            make_sequence_length_divisible_by=cfg.policy.make_sequence_length_divisible_by,
-            only_unmask_final=cfg.sft.only_unmask_final,
-        )
+        spec = loader_spec(cfg, plan.logical_world_size)
         owners = [copy.owner_rank for copy in plan.copies]
         if owners != self.group.owner_ranks:
             raise RuntimeError(
                 f"placement plan owners {owners} != workers {self.group.owner_ranks}"
             )
+        hash_ = plan.placement_hash
         factories = [
-            partial(
-                build_colocated_loader,
-                spec,
-                c.logical_rank,
-                c.logical_world_size,
-                plan.placement_hash,
-            )
+            partial(build_colocated_loader, spec, c.logical_rank, c.logical_world_size, hash_)
             for c in plan.copies
         ]
         t0 = time.perf_counter()
@@ -208,22 +202,21 @@ class SFTController:
         step = self.model.save_state.total_steps + 1
         with step_span(step, attempt=self._attempt) as span:
             t0 = time.perf_counter()
-            phase, policy_open, batch_active = "loading", False, True
+            phase, policy_open, batch_active = "loading", True, True
             try:
-                envelopes = self._load_envelopes()
-                t_loaded = time.perf_counter()
+                with traced(POLICY_TRAINING_SPAN):
+                    envelopes, results = self._run_fused_step()
+                t_done = time.perf_counter()
                 fault_point("stepping:after_load", step=step, attempt=self._attempt)
                 self.model.batch_loaded()
-                phase, policy_open = "train", True
-                results = self._run_train_step()
-                policy_open = False
+                phase, policy_open = "train", False
                 fault_point("stepping:after_optimizer", step=step, attempt=self._attempt)
-                t_trained = time.perf_counter()
+                load_time = max(e.load_seconds for e in envelopes)
                 metrics = step_metrics(
                     envelopes,
                     results,
-                    load_time=t_loaded - t0,
-                    policy_time=t_trained - t_loaded,
+                    load_time=load_time,
+                    policy_time=t_done - t0 - load_time,
                     total_time=time.perf_counter() - t0,
                 )
                 phase = "metrics"
@@ -231,7 +224,7 @@ class SFTController:
                 phase = "commit"
                 self._check_driver()  # a killed run commits no step after its driver died
                 with traced("rl.sft_v2.commit"):
-                    self._owner_call("commit_sft_batch")
+                    self._commit_pending = True  # sent with the next call (`_run_fused_step`)
                 batch_active = False
                 fault_point("stepping:after_commit", step=step, attempt=self._attempt)
                 phase = "record"
@@ -241,6 +234,7 @@ class SFTController:
                 fault_point("stepping:after_append", step=step, attempt=self._attempt)
             except BaseException as exc:
                 record_error(span, exc)
+                phase = getattr(exc, "phase", None) or phase
                 self._abort_step(exc, phase, policy_open=policy_open, batch_active=batch_active)
                 raise
             self._last_metrics = metrics
@@ -251,7 +245,23 @@ class SFTController:
                 span, lambda: step_attributes(metrics, self.model.save_state.consumed_samples)
             )
 
+    def _run_fused_step(self) -> tuple[list, list[dict[str, Any]]]:
+        """The step as one call per worker (`PolicyWorker.run_sft_step`), one wait.
+
+        The previous step's loader commit rides along: each worker commits before it loads,
+        and a checkpoint or close sends it on its own first (`_flush_commit`). Load, begin,
+        train and finish as separate fan-outs (`_load_envelopes`, `_run_train_step`) cost
+        four more Ray calls per worker, which a busy machine pays in step time.
+        """
+        commit, self._commit_pending = self._commit_pending, False
+        outs = self._all_call("run_sft_step", self.args.loss_fn, commit)
+        envelopes = [outs[rank]["envelope"] for rank in self.group.owner_ranks]
+        check_envelopes(envelopes, self.plan.logical_world_size)
+        return envelopes, [out["metrics"] for out in outs]
+
     def _load_envelopes(self) -> list:
+        """Load on every owner (the step's first phase, fanned out on its own)."""
+        self._flush_commit()
         envelopes = self._owner_call("load_next_sft_batch")
         check_envelopes(envelopes, self.plan.logical_world_size)
         return envelopes
@@ -275,8 +285,15 @@ class SFTController:
     def _all_call(self, method: str, *args: Any) -> list[Any]:
         return self.group.run(method, *args, _otel_carrier=inject_carrier())
 
+    def _flush_commit(self) -> None:
+        """Send the last step's loader commit now (before a state_dict, a close or a load)."""
+        if self._commit_pending:
+            self._commit_pending = False
+            self._owner_call("commit_sft_batch")
+
     def _loader_state_dicts(self) -> list[bytes]:
         """Each owner's loader state, pickled in the worker (see `dump_loader_state`)."""
+        self._flush_commit()
         return self._owner_call("sft_dataloader_state_bytes")
 
     def _should_save(self) -> bool:
@@ -312,20 +329,10 @@ class SFTController:
                 save_state=state,
                 save_policy=save_policy,
                 loader_states=self._loader_state_dicts(),
-                config=self.config.model_dump(mode="json"),
+                config=self._config_yaml,
                 info=info,
             )
-            self.model.saved(
-                event=CheckpointSaved(
-                    step=state.total_steps,
-                    path=str(path),
-                    total_steps=state.total_steps,
-                    consumed_samples=state.consumed_samples,
-                    total_valid_tokens=state.total_valid_tokens,
-                    metric=metric,
-                    seconds=time.perf_counter() - t0,
-                )
-            )
+            self.model.saved(event=saved_event(state, path, metric, time.perf_counter() - t0))
         fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
         quietly("prune old checkpoints", self.ckpt.prune)
 
@@ -344,7 +351,10 @@ class SFTController:
         )
 
     def _close_loaders(self) -> None:
-        self._owner_call("close_sft_dataloader")
+        try:
+            self._flush_commit()
+        finally:
+            self._owner_call("close_sft_dataloader")
 
     def _close(self, reason: str, error: BaseException | None) -> None:
         """Teardown in order: loaders, logger, checkpoints, telemetry; then run_stopped."""
@@ -358,11 +368,8 @@ class SFTController:
             elif self.model.state is S.saving:
                 quietly("close the machine", lambda: self.model.fail(error=error))
             if self.model.state is S.closing:
-                fault_point(
-                    "closing:before_stop",
-                    step=self.model.save_state.total_steps,
-                    attempt=self._attempt,
-                )
+                step = self.model.save_state.total_steps
+                fault_point("closing:before_stop", step=step, attempt=self._attempt)
                 msg = None if error is None else f"{type(error).__name__}: {error}"[:2000]
                 quietly("record run_stopped", lambda: self.model.finish(reason=reason, error=msg))
         if self.log is not None:
@@ -383,18 +390,13 @@ class SFTController:
         return "completed"
 
     def _summary(self, start_step: int, reason: str) -> dict[str, Any]:
-        state = self.model.save_state
-        return {
-            "reason": reason,
-            "attempt": self.log.attempt,
-            "resumed_from_step": start_step or None,
-            "steps_run": state.total_steps - start_step,
-            "total_steps": state.total_steps,
-            "max_steps": self.max_steps,
-            "consumed_samples": state.consumed_samples,
-            "total_valid_tokens": state.total_valid_tokens,
-            "first_loss": self._losses[0] if self._losses else None,
-            "last_loss": self._losses[-1] if self._losses else None,
-            "checkpoints": self.ckpt.steps(),
-            "run_dir": str(self.run_dir),
-        }
+        return run_summary(
+            self.model.save_state,
+            reason=reason,
+            attempt=self.log.attempt,
+            start_step=start_step,
+            max_steps=self.max_steps,
+            losses=self._losses,
+            checkpoints=self.ckpt.steps(),
+            run_dir=self.run_dir,
+        )

@@ -8,9 +8,9 @@ started the embedded cluster; ``SFT_RUNTIME_FAULT_RANK`` picks one worker rank.
 
 Points (state:phase):
   setup:after_loaders        loaders built, before loaders_ready
-  stepping:after_load        batches loaded, before training
+  stepping:after_load        batches loaded (the train calls queued behind them)
   stepping:after_optimizer   optimizer step taken, before the loader commit
-  stepping:after_commit      loaders committed, before step_committed is appended
+  stepping:after_commit      loader commit sent, before step_committed is appended
   stepping:after_append      step_committed durable, before the metrics line
   saving:after_weights       policy files written, before the loader states
   saving:before_rename       tmp_step_N complete, before the rename

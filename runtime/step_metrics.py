@@ -141,3 +141,31 @@ def step_attributes(metrics: dict[str, Any], consumed_samples: int) -> dict[str,
         "consumed_samples": consumed_samples,
         "total_step_time": metrics["total_step_time"],
     }
+
+
+def run_summary(
+    state: Any,
+    *,
+    reason: str,
+    attempt: int,
+    start_step: int,
+    max_steps: int,
+    losses: Sequence[float],
+    checkpoints: list[int],
+    run_dir: Any,
+) -> dict[str, Any]:
+    """What `SFTController.run` returns: how the attempt ended and where the run stands."""
+    return {
+        "reason": reason,
+        "attempt": attempt,
+        "resumed_from_step": start_step or None,
+        "steps_run": state.total_steps - start_step,
+        "total_steps": state.total_steps,
+        "max_steps": max_steps,
+        "consumed_samples": state.consumed_samples,
+        "total_valid_tokens": state.total_valid_tokens,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "checkpoints": checkpoints,
+        "run_dir": str(run_dir),
+    }

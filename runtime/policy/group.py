@@ -22,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from runtime.data.batch import BatchSource, StepEnvelope
-from runtime.errors import UserInputError
+from runtime.errors import PeerStepError, UserInputError
 from runtime.policy.cluster import create_placement_group, remove_placement_group_quietly
 from runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout, parse_section
 
@@ -32,12 +32,13 @@ Ranks = Literal["all", "owners"] | Sequence[int]
 class PolicyWorkerError(RuntimeError):
     """A fanned-out call failed (or timed out) on one or more workers."""
 
-    def __init__(self, message: str, ranks: list[int]) -> None:
+    def __init__(self, message: str, ranks: list[int], phase: str | None = None) -> None:
         super().__init__(message)
         self.ranks = ranks
+        self.phase = phase  # the earliest step phase a worker reported ("loading", "train")
 
     def __reduce__(self):  # crosses Ray from the controller to the driver intact
-        return (type(self), (str(self), self.ranks))
+        return (type(self), (str(self), self.ranks, self.phase))
 
 
 class PolicyWorkerInputError(PolicyWorkerError, UserInputError):
@@ -295,6 +296,7 @@ class PolicyWorkerGroup:
 
 
 BLAME_GRACE_S = 1.0
+STEP_PHASES = ("loading", "train")  # the order a step's phases run in a worker
 
 
 def _settle(pending: list, rank_of: dict, grace_s: float) -> list[tuple[int, BaseException]]:
@@ -315,7 +317,7 @@ def _settle(pending: list, rank_of: dict, grace_s: float) -> list[tuple[int, Bas
 
 def _failure(method: str, failures: list[tuple[int, BaseException]]) -> PolicyWorkerError:
     """One error for all failed ranks, dead actors first (they are usually the cause)."""
-    failures.sort(key=lambda f: (not isinstance(f[1], RayActorError), f[0]))
+    failures.sort(key=lambda f: (not isinstance(f[1], RayActorError), _is_peer(f[1]), f[0]))
     parts = []
     for rank, exc in failures:
         if isinstance(exc, RayActorError):
@@ -324,14 +326,21 @@ def _failure(method: str, failures: list[tuple[int, BaseException]]) -> PolicyWo
             cause = getattr(exc, "cause", None) or exc
             parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
     causes = [getattr(exc, "cause", None) or exc for _, exc in failures]
+    own = [c for c in causes if not isinstance(c, PeerStepError)] or causes  # peers follow
     kind = (
         PolicyWorkerInputError
-        if all(isinstance(c, UserInputError) for c in causes)
+        if all(isinstance(c, UserInputError) for c in own)
         else PolicyWorkerError
     )
-    err = kind(f"{method} failed: " + "; ".join(parts), [r for r, _ in failures])
+    phases = [getattr(c, "sft_phase", None) for c in own]
+    phase = min((p for p in phases if p), key=STEP_PHASES.index, default=None)
+    err = kind(f"{method} failed: " + "; ".join(parts), [r for r, _ in failures], phase)
     err.__cause__ = failures[0][1]
     return err
+
+
+def _is_peer(exc: BaseException) -> bool:
+    return isinstance(getattr(exc, "cause", None) or exc, PeerStepError)
 
 
 def _worker_class() -> Any:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.data.batch import SFTBatch
+from runtime.errors import PeerStepError
 from runtime.policy.config import PolicyConfig
 from runtime.policy.loss import NLLLossFn
 from runtime.policy.model import build_model
@@ -94,7 +95,7 @@ class DPTrainer:
         if error is not None:
             raise error
         if count[1].item() > 0:
-            raise RuntimeError("begin_train_step failed on another data-parallel rank")
+            raise PeerStepError("begin_train_step failed on another data-parallel rank")
         self.model.zero_grad(set_to_none=True)
         self._open = _OpenStep(loss_fn, local, int(count[0].item()))
         return {"local_valid_tokens": local, "global_valid_tokens": self._open.global_valid_tokens}
@@ -155,7 +156,7 @@ class DPTrainer:
             phase = "begin_train_step" if step is None else "train_step"
             raise RuntimeError(f"finish_train_step called before a successful {phase}")
         if flat[-1].item() > 0:
-            raise RuntimeError("finish_train_step: another data-parallel rank has no trained step")
+            raise PeerStepError("finish_train_step: another data-parallel rank has no trained step")
         offset = 0
         for p, g in zip(self.params, grads, strict=True):
             n = g.numel()

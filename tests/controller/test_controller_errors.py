@@ -16,6 +16,7 @@ from events import read_log
 from runtime.controller import SFTController
 from runtime.data.batch import StepEnvelope
 from runtime.data.placement import build_placement_plan
+from runtime.policy.group import PolicyWorkerError
 from runtime.setup import SFTV2ActorArgs
 from states import SFTV2SaveState
 
@@ -34,12 +35,19 @@ class StubGroup:
             return StepEnvelope(rank, 2, [f"s{rank}"], ["input_ids"], [10], 0.001, 9, 1)
         if method in ("finish_train_step",):
             return {"loss": 2.0, "grad_norm": 1.0, "lr": 0.1, "valid_tokens": 18}
+        if method == "run_sft_step":
+            envelope = self._answer("load_next_sft_batch", rank)
+            return {"envelope": envelope, "metrics": self._answer("finish_train_step", rank)}
         if method == "sft_dataloader_state_bytes":
             return f"state of rank {rank}".encode()
         return None
 
     def run(self, method, *args, ranks="all", **kwargs):
         self.calls.append(method)
+        if method == "run_sft_step" and args[1]:  # the previous step's loader commit
+            self.calls.append("commit_sft_batch")
+            if "commit_sft_batch" in self.fail:
+                raise self.fail["commit_sft_batch"]
         if method in self.fail:
             raise self.fail[method]
         return [self._answer(method, r) for r in (0, 1)]
@@ -79,8 +87,8 @@ def _types(run_dir: Path) -> list[str]:
 
 
 def test_a_failing_train_step_is_undone_recorded_and_reraised(tmp_path):
-    boom = RuntimeError("rank 1 exploded")
-    group = StubGroup({"train_step": boom})
+    boom = PolicyWorkerError("rank 1 exploded", [1], phase="train")
+    group = StubGroup({"run_sft_step": boom})
     controller, run_dir = _controller(tmp_path, group)
     with pytest.raises(RuntimeError) as err:
         controller.run()
@@ -97,10 +105,10 @@ def test_a_failing_train_step_is_undone_recorded_and_reraised(tmp_path):
 
 
 def test_cleanup_failures_warn_and_keep_the_original_error(tmp_path):
-    boom = ValueError("the original")
+    boom = PolicyWorkerError("the original", [0], phase="loading")
     group = StubGroup(
         {
-            "load_next_sft_batch": boom,
+            "run_sft_step": boom,
             "abort_sft_batch": OSError("abort failed too"),
             "close_sft_dataloader": OSError("close failed too"),
         }
@@ -108,21 +116,30 @@ def test_cleanup_failures_warn_and_keep_the_original_error(tmp_path):
     controller, run_dir = _controller(tmp_path, group)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(ValueError, match="the original"):
+        with pytest.raises(PolicyWorkerError, match="the original"):
             controller.run()
     messages = [str(w.message) for w in caught]
     assert any("abort the loader batches" in m for m in messages)
     assert any("close the loaders" in m for m in messages)
     assert _types(run_dir)[-2:] == ["step_aborted", "run_stopped"]
+    aborted = [r.data for r in read_log(run_dir) if r.type == "step_aborted"]
+    assert aborted[0]["phase"] == "loading"
 
 
-def test_a_commit_failure_aborts_the_batches_but_not_the_finished_policy_step(tmp_path):
+def test_a_loader_commit_failure_fails_the_next_step_before_it_counts(tmp_path):
+    """The commit is sent without waiting; its error surfaces at the next step's first wait,
+    which is aborted (nothing of it is counted) and recorded, and the run fails."""
     group = StubGroup({"commit_sft_batch": RuntimeError("commit failed")})
     controller, run_dir = _controller(tmp_path, group)
     with pytest.raises(RuntimeError, match="commit failed"):
         controller.run()
-    assert "abort_train_step" not in group.calls and "abort_sft_batch" in group.calls
-    assert "step_committed" not in _types(run_dir)
+    assert "abort_train_step" in group.calls and "abort_sft_batch" in group.calls
+    records = list(read_log(run_dir))
+    assert [r.data["step"] for r in records if r.type == "step_committed"] == [1]
+    aborted = [r.data for r in records if r.type == "step_aborted"]
+    assert [(a["step"], a["phase"]) for a in aborted] == [(2, "loading")]
+    assert "commit failed" in aborted[0]["error"]
+    assert records[-1].type == "run_stopped" and records[-1].data["reason"] == "failed"
 
 
 def test_unknown_checkpoint_metric_fails_at_step_one_listing_the_known(tmp_path):
@@ -140,5 +157,5 @@ def test_a_run_whose_budget_is_reached_trains_nothing(tmp_path):
     controller, run_dir = _controller(tmp_path, group, total_steps=4)
     summary = controller.run()
     assert summary["steps_run"] == 0 and summary["reason"] == "completed"
-    assert "load_next_sft_batch" not in group.calls
+    assert "run_sft_step" not in group.calls
     assert _types(run_dir) == ["run_started", "loaders_ready", "run_stopped"]

@@ -166,3 +166,22 @@ class SyntheticSource:
     def close(self) -> None:
         self._active = None
         self.closed = True
+
+
+class LossFailingOnRank:
+    """`NLLLossFn` that raises in the forward pass of one data-parallel rank."""
+
+    def __init__(self, rank: int) -> None:
+        from runtime.policy.loss import NLLLossFn
+
+        self.rank, self.inner = rank, NLLLossFn()
+
+    def valid_tokens(self, batch: SFTBatch) -> int:
+        return self.inner.valid_tokens(batch)
+
+    def __call__(self, logits, batch, global_valid_tokens):
+        import torch.distributed as dist
+
+        if dist.get_rank() == self.rank:
+            raise FloatingPointError(f"loss blew up on rank {self.rank}")
+        return self.inner(logits, batch, global_valid_tokens)

@@ -199,6 +199,38 @@ def test_abort_leaves_weights_and_optimizer_bitwise_unchanged(straight):
     assert results[0]["step"] == STEPS + 1
 
 
+def test_one_call_step_equals_the_phases_and_a_failure_names_its_phase(straight):
+    """`run_sft_step` (the controller's loop): commit + load + begin/train/finish in one call.
+
+    A rank whose forward pass raises fails every rank at once (no process-group timeout),
+    the error says it happened in "train", and weights stay bitwise unchanged; a commit
+    with no batch to commit fails in "loading" on every rank.
+    """
+    group = straight["group"]
+    before_w = group.run("get_weights")
+    start = time.monotonic()
+    with pytest.raises(PolicyWorkerError, match="loss blew up on rank 1") as info:
+        group.run("run_sft_step", sources.LossFailingOnRank(1), False)
+    assert info.value.phase == "train" and time.monotonic() - start < 60
+    group.abort_train_step()
+    group.abort_batches()
+    for b, a in zip(before_w, group.run("get_weights"), strict=True):
+        _assert_tree_equal(b, a)
+    with pytest.raises(PolicyWorkerError, match="no active batch") as info:
+        group.run("run_sft_step", NLLLossFn(), True)  # nothing loaded: nothing to commit
+    assert info.value.phase == "loading" and sorted(info.value.ranks) == [0, 1]
+    group.abort_train_step()
+    # the batch the failed step loaded is delivered again; the next call commits it
+    envelopes = group.load_batches()
+    group.abort_batches()
+    first = group.run("run_sft_step", NLLLossFn(), False)
+    assert [o["envelope"].source_ids for o in first] == [e.source_ids for e in envelopes]
+    second = group.run("run_sft_step", NLLLossFn(), True)
+    assert second[0]["metrics"]["step"] == first[0]["metrics"]["step"] + 1
+    assert second[0]["envelope"].source_ids != first[0]["envelope"].source_ids
+    group.commit_batches()
+
+
 def test_restore_refuses_another_thread_count_and_cleans_up(straight, policy_cfg, cluster_cfg):
     ckpt_dir = straight["ckpt"]
     cluster = cluster_cfg.model_copy(update={"num_threads_per_worker": 2})
