@@ -85,7 +85,7 @@ def write_shards(
                 pattern = str(out_dir / f"{split}-%06d.tar")
                 # A fixed mtime makes the same input give byte-identical shards.
                 writers[split] = webdataset.ShardWriter(
-                    pattern, maxcount=shard_size, verbose=0, mtime=0.0
+                    pattern, maxcount=shard_size, verbose=0, mtime=0
                 )
             payload = orjson.dumps({"messages": messages})
             writers[split].write({"__key__": key, "json": payload})
