@@ -8,6 +8,7 @@ the config of one builder in `runtime/` (policy workers, loaders, checkpoints, l
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +20,7 @@ from runtime.data.config import DataConfig, LoaderSpec, SequencePackingConfig, b
 from runtime.data.tokenizer import TokenizerSpec
 from runtime.errors import UserInputError
 from runtime.policy.config import ClusterConfig, PolicyConfig
+from states import StepRules
 from traces.config import TelemetryConfig
 
 _Strict = ConfigDict(extra="forbid")
@@ -269,4 +271,17 @@ def loader_spec(config: MasterConfig, logical_world_size: int) -> LoaderSpec:
         tokenizer=config.policy.tokenizer,
         make_sequence_length_divisible_by=config.policy.make_sequence_length_divisible_by,
         only_unmask_final=config.sft.only_unmask_final,
+    )
+
+
+def step_rules(config: MasterConfig, *, now: float) -> StepRules:
+    """When this run saves and stops; a ``deadline_seconds`` counts from ``now``."""
+    ck = config.checkpointing
+    deadline = ck.deadline_seconds
+    return StepRules(
+        max_steps=_max_train_steps(config),
+        save_period=ck.save_period,
+        ft_save_period=ck.ft_save_period,
+        checkpointing=ck.enabled,
+        deadline=math.inf if deadline is None else now + deadline,
     )

@@ -8,11 +8,11 @@ it. `runtime.sft_v2.SFTSingleControllerActor` is this class made remote.
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import threading
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,18 +22,21 @@ from opentelemetry import trace
 from events import LoadersReady, RunStarted, open_log
 from runtime.checkpoints import CheckpointDir
 from runtime.cleanup import quietly
-from runtime.config import MasterConfig, _max_train_steps, loader_spec
+from runtime.config import MasterConfig, _max_train_steps, loader_spec, step_rules
 from runtime.data.factory import build_colocated_loader
 from runtime.faults import fault_point
 from runtime.liveness import check_driver
 from runtime.metrics_log import MetricsLogger
 from runtime.save_checkpoint import (
+    checkpoint_info,
     config_yaml,
     save_policy_files,
     saved_event,
     state_metric,
     write_checkpoint,
 )
+from runtime.step_calls import START as START_METHOD
+from runtime.step_calls import StepCalls
 from runtime.step_metrics import (
     SFT_V2_TEED_METRICS,
     check_envelopes,
@@ -42,7 +45,7 @@ from runtime.step_metrics import (
     step_attributes,
     step_metrics,
 )
-from states import ControllerModel, ControllerState, StepRules
+from states import ControllerModel, ControllerState
 from traces.context import attached, inject_carrier, span_ids
 from traces.metrics import StepInstruments
 from traces.setup import setup_telemetry
@@ -50,8 +53,10 @@ from traces.spans import (
     JOB_SPAN,
     POLICY_TRAINING_SPAN,
     SAVE_SPAN,
+    carrier_of,
     record_error,
     set_attributes_lazily,
+    start_step_span,
     step_span,
     traced,
 )
@@ -85,7 +90,9 @@ class SFTController:
         self._last_metrics: dict[str, Any] = {}
         self._losses: list[float] = []
         self.log = None
-        self._commit_pending = False  # the last step's loader commit is not sent yet
+        self.calls = StepCalls(self.group, actor_args.loss_fn)
+        self._job = self._next_span = None  # the job span; a step span started ahead
+        self._t_free = 0.0  # when the workers finished the last step
         self.model: ControllerModel | None = None
         self.metrics: MetricsLogger | None = None
         self.instruments = StepInstruments(SFT_V2_TEED_METRICS)
@@ -107,6 +114,7 @@ class SFTController:
 
     def run(self) -> dict[str, Any]:
         with traced(JOB_SPAN) as job:
+            self._job = job
             self._open()
             start_step = self.model.save_state.total_steps
             reason, error = "completed", None
@@ -116,6 +124,7 @@ class SFTController:
                     self._check_driver()
                     self.model.stop_requested = self._stop.is_set()
                     if self.model.halt():  # to saving first when steps are unsaved
+                        self._drop_ahead()
                         if self.model.state is S.saving:
                             self._save_checkpoint()
                         break
@@ -139,15 +148,7 @@ class SFTController:
         owner = {k: cluster[k] for k in ("driver_pid", "driver_host") if k in cluster}
         self.log = open_log(self.run_dir, owner=owner)
         state = self.args.save_state
-        ck = self.config.checkpointing
-        deadline = ck.deadline_seconds
-        rules = StepRules(
-            max_steps=self.max_steps,
-            save_period=ck.save_period,
-            ft_save_period=ck.ft_save_period,
-            checkpointing=ck.enabled,
-            deadline=math.inf if deadline is None else time.time() + deadline,
-        )
+        rules = step_rules(self.config, now=time.time())
         self.model = ControllerModel(rules, log=self.log, save_state=state)
         log_cfg = self.config.logger
         self.metrics = MetricsLogger(
@@ -200,15 +201,14 @@ class SFTController:
 
     def _run_one_step(self) -> None:
         step = self.model.save_state.total_steps + 1
-        with step_span(step, attempt=self._attempt) as span:
-            t0 = time.perf_counter()
+        ahead, self._next_span = self._next_span, None  # its start was sent with the last step
+        with step_span(step, attempt=self._attempt, job=self._job, span=ahead) as span:
+            t0 = self._t_free if ahead is not None else time.perf_counter()
             phase, policy_open, batch_active = "loading", True, True
             try:
                 with traced(POLICY_TRAINING_SPAN):
-                    envelopes, results = self._run_fused_step()
+                    envelopes, results = self._train_step_calls(step)
                 t_done = time.perf_counter()
-                fault_point("stepping:after_load", step=step, attempt=self._attempt)
-                self.model.batch_loaded()
                 phase, policy_open = "train", False
                 fault_point("stepping:after_optimizer", step=step, attempt=self._attempt)
                 load_time = max(e.load_seconds for e in envelopes)
@@ -224,7 +224,7 @@ class SFTController:
                 phase = "commit"
                 self._check_driver()  # a killed run commits no step after its driver died
                 with traced("rl.sft_v2.commit"):
-                    self._commit_pending = True  # sent with the next call (`_run_fused_step`)
+                    self.calls.recorded()  # the loader commit goes with the next start
                 batch_active = False
                 fault_point("stepping:after_commit", step=step, attempt=self._attempt)
                 phase = "record"
@@ -237,6 +237,7 @@ class SFTController:
                 phase = getattr(exc, "phase", None) or phase
                 self._abort_step(exc, phase, policy_open=policy_open, batch_active=batch_active)
                 raise
+            self._t_free = t_done
             self._last_metrics = metrics
             self._losses.append(metrics["loss"])
             self.metrics.log(step, metrics)
@@ -245,23 +246,43 @@ class SFTController:
                 span, lambda: step_attributes(metrics, self.model.save_state.consumed_samples)
             )
 
-    def _run_fused_step(self) -> tuple[list, list[dict[str, Any]]]:
-        """The step as one call per worker (`PolicyWorker.run_sft_step`), one wait.
-
-        The previous step's loader commit rides along: each worker commits before it loads,
-        and a checkpoint or close sends it on its own first (`_flush_commit`). Load, begin,
-        train and finish as separate fan-outs (`_load_envelopes`, `_run_train_step`) cost
-        four more Ray calls per worker, which a busy machine pays in step time.
-        """
-        commit, self._commit_pending = self._commit_pending, False
-        outs = self._all_call("run_sft_step", self.args.loss_fn, commit)
+    def _train_step_calls(self, step: int) -> tuple[list, list[dict[str, Any]]]:
+        """Send the step's start (unless sent ahead) and finish, and the next step's start when
+        it is certain to follow (`StepCalls`); then wait: envelopes and finish metrics."""
+        carrier = inject_carrier()
+        start = self.calls.start(step, carrier)
+        finish = self.calls.finish(carrier)
+        state = replace(self.model.save_state, total_steps=step)
+        if self.model.rules.continues_after(state, time.time(), stopping=self._stop.is_set()):
+            self._next_span = start_step_span(step + 1, attempt=self._attempt, job=self._job)
+            self.calls.send_ahead(step + 1, carrier_of(self._next_span))
+        outs = self.group.wait(START_METHOD, start)
         envelopes = [outs[rank]["envelope"] for rank in self.group.owner_ranks]
         check_envelopes(envelopes, self.plan.logical_world_size)
-        return envelopes, [out["metrics"] for out in outs]
+        fault_point("stepping:after_load", step=step, attempt=self._attempt)
+        self.model.batch_loaded()
+        return envelopes, self.group.wait("finish_train_step", finish)
+
+    def _send_ahead_past_save(self, state: Any) -> None:
+        """Queue the next step's start behind the checkpoint's calls when the run goes on: the
+        workers start it as soon as their files are written, while the controller finishes
+        the checkpoint (an unwanted start is undone like any other, see `_drop_ahead`)."""
+        if not self.model.rules.should_stop(state, now=time.time(), stopping=self._stop.is_set()):
+            step = state.total_steps + 1
+            self._next_span = start_step_span(step, attempt=self._attempt, job=self._job)
+            self.calls.send_ahead(step, carrier_of(self._next_span), commit=False)
+
+    def _drop_ahead(self) -> None:
+        """Undo the next step's start if it was sent ahead; its span ends as discarded."""
+        span, self._next_span = self._next_span, None
+        self.calls.drop_ahead()
+        if span is not None:
+            span.set_attribute("sft.discarded", True)
+            span.end()
 
     def _load_envelopes(self) -> list:
         """Load on every owner (the step's first phase, fanned out on its own)."""
-        self._flush_commit()
+        self.calls.flush_commit()
         envelopes = self._owner_call("load_next_sft_batch")
         check_envelopes(envelopes, self.plan.logical_world_size)
         return envelopes
@@ -285,15 +306,10 @@ class SFTController:
     def _all_call(self, method: str, *args: Any) -> list[Any]:
         return self.group.run(method, *args, _otel_carrier=inject_carrier())
 
-    def _flush_commit(self) -> None:
-        """Send the last step's loader commit now (before a state_dict, a close or a load)."""
-        if self._commit_pending:
-            self._commit_pending = False
-            self._owner_call("commit_sft_batch")
-
     def _loader_state_dicts(self) -> list[bytes]:
         """Each owner's loader state, pickled in the worker (see `dump_loader_state`)."""
-        self._flush_commit()
+        self._drop_ahead()
+        self.calls.flush_commit()
         return self._owner_call("sft_dataloader_state_bytes")
 
     def _should_save(self) -> bool:
@@ -309,37 +325,39 @@ class SFTController:
         with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
             t0 = time.perf_counter()
             metric = self._checkpoint_metric(self._last_metrics) if self._last_metrics else None
+            self._drop_ahead()
+            commit, self.calls.commit_pending = self.calls.commit_pending, False
             save_policy = partial(
                 save_policy_files,
                 self.group,
                 save_optimizer=self.config.checkpointing.save_optimizer,
                 final=rules.budget_reached(state),
                 carrier=inject_carrier(),
+                commit_first=commit,
+                then=partial(self._send_ahead_past_save, state),
             )
-            info = {
-                "kinds": list(kinds),
-                "metric_name": self.config.checkpointing.metric_name,
-                "metric": metric,
-                "attempt": attempt,
-                "num_threads_per_worker": self.config.cluster.num_threads_per_worker,
-            }
+            info = checkpoint_info(self.config, kinds, metric, attempt)
             path = write_checkpoint(
                 self.ckpt,
                 attempt=attempt,
                 save_state=state,
                 save_policy=save_policy,
-                loader_states=self._loader_state_dicts(),
                 config=self._config_yaml,
                 info=info,
             )
             self.model.saved(event=saved_event(state, path, metric, time.perf_counter() - t0))
         fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
         quietly("prune old checkpoints", self.ckpt.prune)
+        self._t_free = time.perf_counter()  # the next step's time starts after the save
 
     def _abort_step(
         self, exc: BaseException, phase: str, *, policy_open: bool, batch_active: bool
     ) -> None:
         """Undo what the step opened, record `step_aborted`; cleanup failures only warn."""
+        quietly("wait for the step's calls", self.calls.settle)
+        if self._next_span is not None:  # a start sent ahead is undone with this step
+            policy_open = batch_active = True
+            quietly("discard the step started ahead", self._drop_ahead)
         if policy_open:
             quietly("abort the policy step", lambda: self._all_call("abort_train_step"))
         if batch_active:
@@ -352,7 +370,8 @@ class SFTController:
 
     def _close_loaders(self) -> None:
         try:
-            self._flush_commit()
+            self._drop_ahead()
+            self.calls.flush_commit()
         finally:
             self._owner_call("close_sft_dataloader")
 

@@ -12,7 +12,7 @@ Points (state:phase):
   stepping:after_optimizer   optimizer step taken, before the loader commit
   stepping:after_commit      loader commit sent, before step_committed is appended
   stepping:after_append      step_committed durable, before the metrics line
-  saving:after_weights       policy files written, before the loader states
+  saving:after_weights       policy files written, loader states taken, not yet written
   saving:before_rename       tmp_step_N complete, before the rename
   saving:after_rename        step_N in place, before checkpoint_saved
   saving:after_record        checkpoint_saved durable, before pruning

@@ -47,8 +47,7 @@ def write_checkpoint(
     ckpt: CheckpointDir,
     *,
     save_state: SFTV2SaveState,
-    save_policy: Callable[[Path], Any],
-    loader_states: list[bytes],
+    save_policy: Callable[[Path], list[bytes]],
     config: dict[str, Any] | str,
     info: dict[str, Any],
     attempt: int | None = None,
@@ -57,7 +56,7 @@ def write_checkpoint(
     step = save_state.total_steps
     tmp = ckpt.begin(step)
     try:
-        save_policy(tmp / "policy")
+        loader_states = save_policy(tmp / "policy")
         fault_point("saving:after_weights", step=step, attempt=attempt)
         (tmp / LOADERS_NAME).write_bytes(dumps_loader_states(loader_states))
         (tmp / "config.yaml").write_text(config if isinstance(config, str) else config_yaml(config))
@@ -90,12 +89,44 @@ def config_yaml(config: dict[str, Any]) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
+def checkpoint_info(
+    config: Any, kinds: tuple[str, ...], metric: float | None, attempt: int | None
+) -> dict[str, Any]:
+    """What ``training_info.json`` records besides the save state."""
+    return {
+        "kinds": list(kinds),
+        "metric_name": config.checkpointing.metric_name,
+        "metric": metric,
+        "attempt": attempt,
+        "num_threads_per_worker": config.cluster.num_threads_per_worker,
+    }
+
+
 def save_policy_files(
-    group: Any, policy_dir: Path, *, save_optimizer: bool, final: bool, carrier: dict
-) -> None:
-    """Every worker writes its share: rank 0 weights (+ optimizer), each rank its RNG."""
+    group: Any,
+    policy_dir: Path,
+    *,
+    save_optimizer: bool,
+    final: bool,
+    carrier: dict,
+    commit_first: bool = False,
+    then: Callable[[], None] | None = None,
+) -> list[bytes]:
+    """Every worker writes its share of the policy files (weights, optimizer, its RNG) and
+    every loader owner returns its pickled state, in one wave of calls and one wait.
+
+    ``commit_first`` commits the last step's batches before the states are taken (a commit
+    that no later step start carried); ``then`` runs once the wave is sent (the controller
+    queues the next step's start behind it). Returns the loader states in owner order.
+    """
     optimizer = policy_dir / "optimizer" if save_optimizer else None
-    group.run(
+    refs = []
+    if commit_first:
+        refs += group.submit("commit_sft_batch", ranks="owners", _otel_carrier=carrier)
+    skip = len(refs)
+    refs += group.submit("sft_dataloader_state_bytes", ranks="owners", _otel_carrier=carrier)
+    states = len(refs) - skip
+    refs += group.submit(
         "save_checkpoint",
         str(policy_dir / "weights"),
         None if optimizer is None else str(optimizer),
@@ -104,6 +135,9 @@ def save_policy_files(
         rng_path=str(policy_dir / "rng"),
         _otel_carrier=carrier,
     )
+    if then is not None:
+        then()
+    return group.wait("save_checkpoint", refs)[skip : skip + states]
 
 
 def saved_event(

@@ -54,3 +54,10 @@ class StepRules:
 
     def should_stop(self, state: SFTV2SaveState, *, now: float, stopping: bool = False) -> bool:
         return stopping or self.budget_reached(state) or self.timed_out(now)
+
+    def continues_after(self, state: SFTV2SaveState, now: float, *, stopping: bool) -> bool:
+        """Another step follows ``state`` directly: no checkpoint due, no reason to stop (as of
+        ``now``; a deadline or stop request may still come before that step begins)."""
+        if self.should_stop(state, now=now, stopping=stopping):
+            return False
+        return not self.save_due(state, now=now, stopping=stopping)

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode
 
 from traces.context import TRACER, attached
@@ -109,18 +109,17 @@ def _span_context(job: Span | SpanContext | None) -> SpanContext:
     return job.get_span_context()
 
 
-@contextmanager
-def step_span(
+def start_step_span(
     step: int,
     *,
     attempt: int | None = None,
     job: Span | SpanContext | None = None,
     attributes: Mapping[str, Any] | None = None,
-) -> Iterator[Span]:
-    """The ``rl.sft_v2.step`` span: root of its own trace, linked to the job span.
+) -> Span:
+    """Start (not enter) the ``rl.sft_v2.step`` span: root of its own trace, linked to the job.
 
-    ``job`` defaults to the current span (call it inside the job span). Errors are marked as
-    in `traced`. Worker spans join the step trace through `inject_carrier()` as usual.
+    For a step whose worker calls are sent before the previous step is done: inject its
+    context with `carrier_of`, then make it current with `step_span(..., span=...)`.
     """
     job_ctx = _span_context(job)
     attrs: dict[str, Any] = {"step": step, "attempt": attempt}
@@ -129,5 +128,47 @@ def step_span(
         links = [Link(job_ctx, {"sft.link": "job"})]
         attrs[JOB_TRACE_ATTR] = f"{job_ctx.trace_id:032x}"
     attrs.update(attributes or {})
-    with traced(STEP_SPAN, attributes=attrs, links=links, root=True) as span:
-        yield span
+    return TRACER.start_span(
+        STEP_SPAN,
+        context=otel_context.Context(),
+        attributes=_clean(attrs),
+        links=links,
+        record_exception=False,
+        set_status_on_exception=False,
+    )
+
+
+def carrier_of(span: Span) -> dict[str, str]:
+    """A W3C carrier whose parent is ``span`` (which need not be current)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
+@contextmanager
+def step_span(
+    step: int,
+    *,
+    attempt: int | None = None,
+    job: Span | SpanContext | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    span: Span | None = None,
+) -> Iterator[Span]:
+    """The ``rl.sft_v2.step`` span as the current span, ended on exit.
+
+    ``job`` defaults to the current span (call it inside the job span). Errors are marked as
+    in `traced`. Worker spans join the step trace through `inject_carrier()` as usual.
+    ``span`` enters a step span made earlier by `start_step_span`.
+    """
+    if span is None:
+        span = start_step_span(step, attempt=attempt, job=job, attributes=attributes)
+    with trace.use_span(
+        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+    ):
+        try:
+            yield span
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            record_error(span, exc)
+            raise

@@ -180,6 +180,11 @@ class PolicyWorkerGroup:
                 raise _failure(method, failures)
         return [results[ref] for _, ref in refs]
 
+    def settle(self, refs: list[tuple[int, Any]], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for submitted calls whose results no longer matter (a
+        failed or undone step); their errors are read and dropped."""
+        _settle([ref for _, ref in refs], {ref: rank for rank, ref in refs}, timeout_s)
+
     def run(
         self,
         method: str,

@@ -42,6 +42,7 @@ class _OpenStep:
     local_valid_tokens: int
     global_valid_tokens: int
     trained: bool = False
+    rng: Any = None  # torch RNG states when the step began (an abort restores them)
     micro_batches: list[dict[str, float]] = field(default_factory=list)
     forward_backward_s: float = 0.0
     loss_sum: float = 0.0
@@ -79,12 +80,12 @@ class DPTrainer:
         A rank that fails its local checks still joins the all-reduce with an error flag,
         so its peers fail at once instead of waiting for the process-group timeout.
         """
-        if self._open is not None:
-            raise RuntimeError("begin_train_step called while a step is open; abort it first")
         loss_fn = loss_fn if loss_fn is not None else NLLLossFn()
         error: Exception | None = None
         local = 0
         try:
+            if self._open is not None:
+                raise RuntimeError("begin_train_step called while a step is open; abort it first")
             batch = get_batch()
             self._check_shape(batch)
             local = int(loss_fn.valid_tokens(batch))
@@ -97,7 +98,7 @@ class DPTrainer:
         if count[1].item() > 0:
             raise PeerStepError("begin_train_step failed on another data-parallel rank")
         self.model.zero_grad(set_to_none=True)
-        self._open = _OpenStep(loss_fn, local, int(count[0].item()))
+        self._open = _OpenStep(loss_fn, local, int(count[0].item()), rng=self._rng_state())
         return {"local_valid_tokens": local, "global_valid_tokens": self._open.global_valid_tokens}
 
     def train(self, batch: SFTBatch) -> dict[str, Any]:
@@ -188,8 +189,11 @@ class DPTrainer:
         }
 
     def abort(self) -> dict[str, Any]:
-        """Drop the open step's gradients; weights and optimizer state are untouched."""
+        """Drop the open step's gradients and rewind the RNG its forward passes used (dropout):
+        weights, optimizer state and random streams are as if the step never began."""
         was_open = self._open is not None
+        if was_open:
+            self._set_rng_state(self._open.rng)
         self.model.zero_grad(set_to_none=True)
         self._open = None
         return {"aborted": was_open, "step": self.steps_done}
@@ -230,6 +234,15 @@ class DPTrainer:
                 f"batch sequence length {batch.input_ids.shape[-1]} is not a multiple of "
                 f"policy.make_sequence_length_divisible_by={multiple}"
             )
+
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
 
     @staticmethod
     def _all_reduce(t: torch.Tensor) -> torch.Tensor:

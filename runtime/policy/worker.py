@@ -74,6 +74,7 @@ class PolicyWorkerBase:
             torch.cuda.set_device(self.device)
         self.trainer = DPTrainer(policy, seed=seed, device=self.device)
         self._loader: BatchSource | None = None
+        self._batch_step: int | None = None  # trainer steps done when the active batch loaded
 
     # ----------------------------------------------------------------- distributed
     def rendezvous_address(self, *, _otel_carrier: dict | None = None) -> tuple[str, int]:
@@ -162,8 +163,10 @@ class PolicyWorkerBase:
     def commit_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
         with traced("rl.sft_v2.loader_commit", carrier=_otel_carrier, attributes=self._attrs):
             self._require_loader().commit()
+            self._batch_step = None
 
     def abort_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
+        self._batch_step = None
         self._require_loader().abort()
 
     def sft_dataloader_state_dict(self, *, _otel_carrier: dict | None = None) -> dict:
@@ -221,31 +224,35 @@ class PolicyWorkerBase:
         self.train_step()
         return {**self.finish_train_step(), "begin_s": begin_s}
 
-    def run_sft_step(
+    def start_sft_step(
         self,
         loss_fn: Any = None,
         commit_previous: bool = False,
         *,
         _otel_carrier: dict | None = None,
     ) -> dict[str, Any]:
-        """One whole step in one call: commit the previous batch, load, begin, train, finish.
+        """A step up to its gradients, in one call: commit the previous batch, load, begin, train.
 
-        The controller's loop uses this instead of five calls per rank: each Ray call costs
-        both sides about half a millisecond of CPU, which on a busy machine is step time.
-        Every phase keeps its span. A phase that fails still lets this rank join the step's
-        collectives with an error flag (a failed commit or load fails `begin` on every rank;
-        a failed train makes `finish` refuse on every rank), so no peer waits for the
-        process-group timeout. The error is raised with ``sft_phase`` ("loading", "train")
-        set, which the controller records in ``step_aborted``.
-        Returns ``{"envelope": StepEnvelope, "metrics": finish's metrics + begin_s}``.
+        `finish_train_step` (the gradient all-reduce and the optimizer) is the step's second
+        call. The controller queues the next step's start behind this step's finish, so a
+        worker goes from one step to the next without waiting for the controller; everything
+        a start does can be undone by `abort_train_step` + `abort_sft_batch` (no weight or
+        optimizer change, RNG rewound). ``commit_previous`` commits the batch of the step
+        before only if that step finished here; otherwise this call fails.
+
+        A phase that fails still lets this rank join `begin`'s collective with an error flag,
+        so every rank fails at once instead of waiting for the process-group timeout (a failed
+        train makes the queued `finish` refuse on every rank). The error is raised with
+        ``sft_phase`` ("loading", "train") set, which the controller records in
+        ``step_aborted``. Returns the envelope, ``begin_s`` and ``forward_backward_s``.
         """
         carrier = _otel_carrier
         before_begin: Exception | None = None
-        envelope = None
         try:
             if commit_previous:
-                self.commit_sft_batch(_otel_carrier=carrier)
+                self._commit_finished_batch(carrier)
             envelope = self.load_next_sft_batch(_otel_carrier=carrier)
+            self._batch_step = self.trainer.steps_done
         except Exception as exc:  # noqa: BLE001 - raised after the collective below
             before_begin = exc
 
@@ -261,16 +268,24 @@ class PolicyWorkerBase:
         except Exception as exc:
             raise _in_phase(before_begin or exc, "loading" if before_begin else "train") from None
         begin_s = time.perf_counter() - t0
-        train_error: Exception | None = None
         try:
-            self.train_step(_otel_carrier=carrier)
-        except Exception as exc:  # noqa: BLE001 - raised after finish's collective
-            train_error = exc
-        try:
-            metrics = self.finish_train_step(_otel_carrier=carrier)
+            trained = self.train_step(_otel_carrier=carrier)
         except Exception as exc:
-            raise _in_phase(train_error or exc, "train") from None
-        return {"envelope": envelope, "metrics": {**metrics, "begin_s": begin_s}}
+            raise _in_phase(exc, "train") from None
+        return {
+            "envelope": envelope,
+            "begin_s": begin_s,
+            "forward_backward_s": trained["forward_backward_s"],
+        }
+
+    def _commit_finished_batch(self, carrier: dict | None) -> None:
+        done = self._batch_step
+        if done is not None and (self.trainer.step_open or self.trainer.steps_done != done + 1):
+            raise RuntimeError(
+                f"rank {self.rank}: the step trained on the active batch did not finish; "
+                "the batch is not committed"
+            )
+        self.commit_sft_batch(_otel_carrier=carrier)
 
     def abort_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """Drop the open step's gradients; weights and optimizer stay bitwise unchanged."""

@@ -31,36 +31,38 @@ class StubGroup:
         self.calls: list[str] = []
 
     def _answer(self, method: str, rank: int):
-        if method == "load_next_sft_batch":
-            return StepEnvelope(rank, 2, [f"s{rank}"], ["input_ids"], [10], 0.001, 9, 1)
-        if method in ("finish_train_step",):
+        if method == "start_sft_step":
+            envelope = StepEnvelope(rank, 2, [f"s{rank}"], ["input_ids"], [10], 0.001, 9, 1)
+            return {"envelope": envelope, "begin_s": 0.0, "forward_backward_s": 0.01}
+        if method == "finish_train_step":
             return {"loss": 2.0, "grad_norm": 1.0, "lr": 0.1, "valid_tokens": 18}
-        if method == "run_sft_step":
-            envelope = self._answer("load_next_sft_batch", rank)
-            return {"envelope": envelope, "metrics": self._answer("finish_train_step", rank)}
         if method == "sft_dataloader_state_bytes":
             return f"state of rank {rank}".encode()
         return None
 
-    def run(self, method, *args, ranks="all", **kwargs):
-        self.calls.append(method)
-        if method == "run_sft_step" and args[1]:  # the previous step's loader commit
+    def _error(self, method: str, args: tuple) -> Exception | None:
+        if method == "start_sft_step" and args[1]:  # it commits the previous step's batch
             self.calls.append("commit_sft_batch")
             if "commit_sft_batch" in self.fail:
-                raise self.fail["commit_sft_batch"]
-        if method in self.fail:
-            raise self.fail[method]
-        return [self._answer(method, r) for r in (0, 1)]
+                return self.fail["commit_sft_batch"]
+        return self.fail.get(method)
+
+    def run(self, method, *args, ranks="all", **kwargs):
+        return self.wait(method, self.submit(method, *args, **kwargs))
 
     def submit(self, method, *args, **kwargs):
         self.calls.append(method)
-        return [(r, (method, r)) for r in (0, 1)]
+        error = self._error(method, args)
+        return [(r, (method, r, error)) for r in (0, 1)]
 
     def wait(self, method, refs, timeout_s=None):
-        for ref_method, _ in (ref for _, ref in refs):
-            if ref_method in self.fail:
-                raise self.fail[ref_method]
-        return [self._answer(m, r) for _, (m, r) in refs]
+        for _, (_, _, error) in refs:
+            if error is not None:
+                raise error
+        return [self._answer(m, r) for _, (m, r, _) in refs]
+
+    def settle(self, refs, timeout_s):
+        self.calls.append("settle")
 
     def setup_loaders(self, factories, restored=None):
         self.calls.append("setup_sft_dataloader")
@@ -88,13 +90,14 @@ def _types(run_dir: Path) -> list[str]:
 
 def test_a_failing_train_step_is_undone_recorded_and_reraised(tmp_path):
     boom = PolicyWorkerError("rank 1 exploded", [1], phase="train")
-    group = StubGroup({"run_sft_step": boom})
+    group = StubGroup({"start_sft_step": boom})
     controller, run_dir = _controller(tmp_path, group)
     with pytest.raises(RuntimeError) as err:
         controller.run()
     assert err.value is boom
     assert "abort_train_step" in group.calls and "abort_sft_batch" in group.calls
-    assert "commit_sft_batch" not in group.calls
+    # the calls already sent (finish, the next step's start) are waited for before the aborts
+    assert group.calls.index("settle") < group.calls.index("abort_train_step")
     records = list(read_log(run_dir))
     aborted = [r for r in records if r.type == "step_aborted"]
     assert [(a.data["step"], a.data["phase"], a.data["error"]) for a in aborted] == [
@@ -108,7 +111,7 @@ def test_cleanup_failures_warn_and_keep_the_original_error(tmp_path):
     boom = PolicyWorkerError("the original", [0], phase="loading")
     group = StubGroup(
         {
-            "run_sft_step": boom,
+            "start_sft_step": boom,
             "abort_sft_batch": OSError("abort failed too"),
             "close_sft_dataloader": OSError("close failed too"),
         }
@@ -157,5 +160,34 @@ def test_a_run_whose_budget_is_reached_trains_nothing(tmp_path):
     controller, run_dir = _controller(tmp_path, group, total_steps=4)
     summary = controller.run()
     assert summary["steps_run"] == 0 and summary["reason"] == "completed"
-    assert "run_sft_step" not in group.calls
+    assert "start_sft_step" not in group.calls
     assert _types(run_dir) == ["run_started", "loaders_ready", "run_stopped"]
+
+
+def test_a_stop_undoes_the_start_sent_ahead_before_the_final_checkpoint(tmp_path):
+    """Step 2's start goes out with step 1's finish; a stop that arrives meanwhile waits for it
+    and aborts it (weights, RNG and loader as before) before the final checkpoint."""
+
+    class StopDuringStep1(StubGroup):
+        controller = None
+
+        def wait(self, method, refs, timeout_s=None):
+            if method == "start_sft_step":
+                self.controller.request_stop()
+            return super().wait(method, refs, timeout_s)
+
+    group = StopDuringStep1()
+    controller, run_dir = _controller(tmp_path, group)
+    group.controller = controller
+    summary = controller.run()
+    assert summary["reason"] == "interrupted" and summary["total_steps"] == 1
+    calls = group.calls
+    assert calls.count("start_sft_step") == 2  # step 1's, and step 2's sent ahead
+    undo = calls.index("settle")
+    assert calls[undo : undo + 3] == ["settle", "abort_train_step", "abort_sft_batch"]
+    assert undo < calls.index("sft_dataloader_state_bytes")  # the checkpoint comes after
+    ahead = calls.index("finish_train_step") + 1  # sent with step 1's finish, commits its batch
+    assert calls[ahead : ahead + 2] == ["start_sft_step", "commit_sft_batch"]
+    records = list(read_log(run_dir))
+    assert [r.data["step"] for r in records if r.type == "step_committed"] == [1]
+    assert [r.data["step"] for r in records if r.type == "checkpoint_saved"] == [1]

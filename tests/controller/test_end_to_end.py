@@ -70,7 +70,7 @@ def _wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float
 
 
 def test_sigterm_then_the_same_command_resumes_exactly(ray_session, demo_data, tmp_path):
-    steps = 12  # long enough that the stop lands mid-run (a step takes ~0.1 s here)
+    steps = 60  # long enough that the stop lands mid-run (steps take 20-100 ms here)
     reference = tmp_path / "reference"
     run_training(small_config(reference, demo_data, steps))
 

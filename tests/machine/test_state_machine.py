@@ -9,7 +9,7 @@ from logbuild import step_event
 from transitions import MachineError
 
 from events import CheckpointSaved, EventLog, LoadersReady, RunStarted
-from states import TRANSITIONS, ControllerModel, ControllerState, StepRules, replay
+from states import TRANSITIONS, ControllerModel, ControllerState, SFTV2SaveState, StepRules, replay
 from states.machine import mermaid
 
 S = ControllerState
@@ -212,3 +212,17 @@ def test_a_stop_right_after_a_checkpoint_closes_without_saving_again():
     model.saved(event=_checkpoint(model))
     model.stop_requested = True
     assert model.halt() is True and model.state is S.closing
+
+
+def test_continues_after_says_when_the_next_start_may_be_sent_ahead():
+    rules = StepRules(max_steps=10, save_period=4, ft_save_period=3, deadline=1000.0)
+
+    def follows(step: int, now: float = 0.0, stopping: bool = False) -> bool:
+        return rules.continues_after(SFTV2SaveState(step, 0, 0, "h"), now, stopping=stopping)
+
+    assert [s for s in range(1, 11) if follows(s)] == [1, 2, 5, 7]  # not 3,6,9 / 4,8 / 10
+    assert not follows(1, now=1000.0)  # the deadline passed
+    assert not follows(1, stopping=True)
+    assert StepRules(max_steps=5, checkpointing=False).continues_after(
+        SFTV2SaveState(3, 0, 0, "h"), 0.0, stopping=False
+    )

@@ -31,8 +31,25 @@ def _env() -> dict[str, str]:
 
 
 def _ray_processes(marker: str) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines()[1:] if marker in line]
+    """Processes of this cluster: their command line or an open file names ``marker``.
+
+    Read from /proc: `ps` cuts long command lines when piped, and Ray's agents rename
+    themselves (``ray::DashboardAgent``) but keep their log files open under the temp dir.
+    """
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _mentions(entry, marker):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _mentions(proc: Path, marker: str) -> bool:
+    try:
+        if marker in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+            return True
+        return any(marker in os.readlink(fd) for fd in (proc / "fd").iterdir())
+    except OSError:
+        return False
 
 
 def _stop(marker: str) -> None:

@@ -199,35 +199,46 @@ def test_abort_leaves_weights_and_optimizer_bitwise_unchanged(straight):
     assert results[0]["step"] == STEPS + 1
 
 
-def test_one_call_step_equals_the_phases_and_a_failure_names_its_phase(straight):
-    """`run_sft_step` (the controller's loop): commit + load + begin/train/finish in one call.
+def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight):
+    """The controller's calls: `start_sft_step` (commit previous, load, begin, train) and
+    `finish_train_step`, with the next start queued behind a finish.
 
-    A rank whose forward pass raises fails every rank at once (no process-group timeout),
-    the error says it happened in "train", and weights stay bitwise unchanged; a commit
-    with no batch to commit fails in "loading" on every rank.
+    A rank whose forward pass raises fails its start in "train" and the queued finish refuses
+    on every rank (no process-group timeout); weights stay bitwise unchanged. A start whose
+    previous step did not finish commits nothing.
     """
     group = straight["group"]
     before_w = group.run("get_weights")
     start = time.monotonic()
+    started = group.submit("start_sft_step", sources.LossFailingOnRank(1), False)
+    finish = group.submit("finish_train_step")
     with pytest.raises(PolicyWorkerError, match="loss blew up on rank 1") as info:
-        group.run("run_sft_step", sources.LossFailingOnRank(1), False)
-    assert info.value.phase == "train" and time.monotonic() - start < 60
+        group.wait("start_sft_step", started)
+    assert info.value.phase == "train" and info.value.ranks == [1]
+    with pytest.raises(PolicyWorkerError, match="no trained step|before a successful"):
+        group.wait("finish_train_step", finish)
+    assert time.monotonic() - start < 60
+    # the failed step is still open: a start asked to commit its batch refuses, on every rank
+    with pytest.raises(PolicyWorkerError, match="did not finish") as info:
+        group.run("start_sft_step", NLLLossFn(), True)
+    assert info.value.phase == "loading" and sorted(info.value.ranks) == [0, 1]
     group.abort_train_step()
     group.abort_batches()
     for b, a in zip(before_w, group.run("get_weights"), strict=True):
         _assert_tree_equal(b, a)
-    with pytest.raises(PolicyWorkerError, match="no active batch") as info:
-        group.run("run_sft_step", NLLLossFn(), True)  # nothing loaded: nothing to commit
-    assert info.value.phase == "loading" and sorted(info.value.ranks) == [0, 1]
-    group.abort_train_step()
-    # the batch the failed step loaded is delivered again; the next call commits it
+    # step, then the next start queued behind its finish (committing its batch): one wait
     envelopes = group.load_batches()
     group.abort_batches()
-    first = group.run("run_sft_step", NLLLossFn(), False)
+    refs = group.submit("start_sft_step", NLLLossFn(), False)
+    refs += group.submit("finish_train_step")
+    refs += group.submit("start_sft_step", NLLLossFn(), True)
+    refs += group.submit("finish_train_step")
+    first, done1, second, done2 = (
+        group.wait("step", refs)[i : i + WORLD] for i in range(0, 4 * WORLD, WORLD)
+    )
     assert [o["envelope"].source_ids for o in first] == [e.source_ids for e in envelopes]
-    second = group.run("run_sft_step", NLLLossFn(), True)
-    assert second[0]["metrics"]["step"] == first[0]["metrics"]["step"] + 1
     assert second[0]["envelope"].source_ids != first[0]["envelope"].source_ids
+    assert done2[0]["step"] == done1[0]["step"] + 1
     group.commit_batches()
 
 

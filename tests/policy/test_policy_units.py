@@ -182,3 +182,41 @@ def test_trainer_step_in_one_process(precision):
     assert math.isfinite(out["loss"]) and out["valid_tokens"] == batch.loss_mask[:, 1:].sum()
     assert out["step"] == 1 and len(out["micro_batches"]) == 2
     assert not torch.equal(before["head.weight"], trainer.weights()["head.weight"])
+
+
+def test_abort_rewinds_the_rng_that_dropout_used():
+    """A step undone by `abort` (a start sent ahead, then a stop) leaves the random streams as
+    they were, so the step trained again later draws the same dropout masks: bitwise exact."""
+    from runtime.policy.trainer import DPTrainer
+
+    policy = PolicyConfig(
+        model=ModelConfig(
+            vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=SEQ_LEN, dropout=0.2
+        ),
+        train_global_batch_size=4,
+        train_micro_batch_size=2,
+    )
+    batch = sources.make_batch(0, 0, 0, rows=4, seq_len=SEQ_LEN, vocab_size=VOCAB)
+
+    def one_step(trainer: DPTrainer, abort_first: bool) -> dict:
+        torch.manual_seed(11)
+        if abort_first:
+            trainer.begin(None, lambda: batch)
+            trainer.train(batch)
+            assert not torch.equal(torch.get_rng_state(), _seeded_rng_state(11))
+            trainer.abort()
+            assert torch.equal(torch.get_rng_state(), _seeded_rng_state(11))
+        trainer.begin(None, lambda: batch)
+        trainer.train(batch)
+        trainer.finish()
+        return trainer.weights()
+
+    straight = one_step(DPTrainer(policy, seed=0, device=torch.device("cpu")), False)
+    undone_first = one_step(DPTrainer(policy, seed=0, device=torch.device("cpu")), True)
+    assert all(torch.equal(straight[k], v) for k, v in undone_first.items())
+
+
+def _seeded_rng_state(seed: int) -> torch.Tensor:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.get_rng_state()
