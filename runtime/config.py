@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from runtime.checkpoints import CheckpointDir
 from runtime.data.config import DataConfig, LoaderSpec, SequencePackingConfig, build_loader_spec
 from runtime.data.tokenizer import TokenizerSpec
 from runtime.errors import UserInputError
@@ -284,4 +285,20 @@ def step_rules(config: MasterConfig, *, now: float) -> StepRules:
         ft_save_period=ck.ft_save_period,
         checkpointing=ck.enabled,
         deadline=math.inf if deadline is None else now + deadline,
+    )
+
+
+def checkpoint_root(config: MasterConfig) -> Path:
+    ckpt = config.checkpointing.checkpoint_dir
+    return Path(ckpt) if ckpt else Path(config.logger.log_dir) / "checkpoints"
+
+
+def run_checkpoints(config: MasterConfig) -> CheckpointDir:
+    """The run's checkpoint directory with its retention rules."""
+    ck = config.checkpointing
+    return CheckpointDir(
+        checkpoint_root(config),
+        keep_top_k=ck.keep_top_k,
+        ft_keep_latest_k=ck.ft_keep_latest_k,
+        higher_is_better=ck.higher_is_better,
     )

@@ -20,9 +20,14 @@ from typing import Any
 from opentelemetry import trace
 
 from events import LoadersReady, RunStarted, open_log
-from runtime.checkpoints import CheckpointDir
 from runtime.cleanup import quietly
-from runtime.config import MasterConfig, _max_train_steps, loader_spec, step_rules
+from runtime.config import (
+    MasterConfig,
+    _max_train_steps,
+    loader_spec,
+    run_checkpoints,
+    step_rules,
+)
 from runtime.data.factory import build_colocated_loader
 from runtime.faults import fault_point
 from runtime.liveness import check_driver
@@ -64,11 +69,6 @@ from traces.spans import (
 S = ControllerState
 
 
-def checkpoint_root(config: MasterConfig) -> Path:
-    ckpt = config.checkpointing.checkpoint_dir
-    return Path(ckpt) if ckpt else Path(config.logger.log_dir) / "checkpoints"
-
-
 class SFTController:
     """Drives the policy workers through the machine's states for one attempt of a run."""
 
@@ -78,13 +78,7 @@ class SFTController:
         self.group = actor_args.trainer
         self.plan = actor_args.placement_plan
         self.run_dir = Path(master_config.logger.log_dir)
-        ck = master_config.checkpointing
-        self.ckpt = CheckpointDir(
-            checkpoint_root(master_config),
-            keep_top_k=ck.keep_top_k,
-            ft_keep_latest_k=ck.ft_keep_latest_k,
-            higher_is_better=ck.higher_is_better,
-        )
+        self.ckpt = run_checkpoints(master_config)
         self.max_steps = _max_train_steps(master_config)
         self._stop = threading.Event()
         self._last_metrics: dict[str, Any] = {}
@@ -254,8 +248,7 @@ class SFTController:
         finish = self.calls.finish(carrier)
         state = replace(self.model.save_state, total_steps=step)
         if self.model.rules.continues_after(state, time.time(), stopping=self._stop.is_set()):
-            self._next_span = start_step_span(step + 1, attempt=self._attempt, job=self._job)
-            self.calls.send_ahead(step + 1, carrier_of(self._next_span))
+            self._send_ahead(step + 1, commit=True)
         outs = self.group.wait(START_METHOD, start)
         envelopes = [outs[rank]["envelope"] for rank in self.group.owner_ranks]
         check_envelopes(envelopes, self.plan.logical_world_size)
@@ -263,14 +256,16 @@ class SFTController:
         self.model.batch_loaded()
         return envelopes, self.group.wait("finish_train_step", finish)
 
+    def _send_ahead(self, step: int, *, commit: bool) -> None:
+        """Queue ``step``'s start behind the calls sent so far, in a step span of its own."""
+        self._next_span = start_step_span(step, attempt=self._attempt, job=self._job)
+        self.calls.send_ahead(step, carrier_of(self._next_span), commit=commit)
+
     def _send_ahead_past_save(self, state: Any) -> None:
-        """Queue the next step's start behind the checkpoint's calls when the run goes on: the
-        workers start it as soon as their files are written, while the controller finishes
-        the checkpoint (an unwanted start is undone like any other, see `_drop_ahead`)."""
+        """Workers start the next step once their checkpoint files are written, while the
+        controller finishes the checkpoint (unless the run stops: see `_drop_ahead`)."""
         if not self.model.rules.should_stop(state, now=time.time(), stopping=self._stop.is_set()):
-            step = state.total_steps + 1
-            self._next_span = start_step_span(step, attempt=self._attempt, job=self._job)
-            self.calls.send_ahead(step, carrier_of(self._next_span), commit=False)
+            self._send_ahead(state.total_steps + 1, commit=False)  # the save committed
 
     def _drop_ahead(self) -> None:
         """Undo the next step's start if it was sent ahead; its span ends as discarded."""
@@ -290,12 +285,11 @@ class SFTController:
     def _run_train_step(self) -> list[dict[str, Any]]:
         """begin / train / finish on every worker, submitted back to back, one wait."""
         with traced(POLICY_TRAINING_SPAN):
-            carrier = inject_carrier()
-            g = self.group
+            carrier, g = inject_carrier(), self.group
             refs = g.submit("begin_train_step", self.args.loss_fn, _otel_carrier=carrier)
             refs += g.submit("train_step", _otel_carrier=carrier)
-            finish = g.submit("finish_train_step", _otel_carrier=carrier)
-            return g.wait("train_step", refs + finish)[len(refs) :]
+            refs += g.submit("finish_train_step", _otel_carrier=carrier)
+            return g.wait("train_step", refs)[len(refs) * 2 // 3 :]
 
     def _policy_metrics(self) -> dict[str, Any]:
         return dict(self._last_metrics)
@@ -404,9 +398,7 @@ class SFTController:
     def _end_reason(self) -> str:
         if self._stop.is_set():
             return "interrupted"
-        if self.model.rules.timed_out(time.time()):
-            return "timeout"
-        return "completed"
+        return "timeout" if self.model.rules.timed_out(time.time()) else "completed"
 
     def _summary(self, start_step: int, reason: str) -> dict[str, Any]:
         return run_summary(

@@ -17,8 +17,7 @@ from typing import Any
 from events.errors import EventLogLocked
 from events.log import LOCK_NAME, acquire_lock, lock_holder
 from runtime.checkpoints import CheckpointDir
-from runtime.config import MasterConfig
-from runtime.controller import checkpoint_root
+from runtime.config import MasterConfig, checkpoint_root
 from runtime.data.placement import DataLoaderPlacementPlan, build_placement_plan
 from runtime.data.tokenizer import build_tokenizer
 from runtime.errors import UserInputError

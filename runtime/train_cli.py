@@ -52,7 +52,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     before = greedy_completions(config, None)
     code = _train(config, console=console)
     from runtime.checkpoints import CheckpointDir
-    from runtime.controller import checkpoint_root
+    from runtime.config import checkpoint_root
 
     steps = CheckpointDir(checkpoint_root(config)).steps()
     if steps:

@@ -77,21 +77,18 @@ def traced(
     """
     with attached(None if root else carrier):
         parent = otel_context.Context() if root else None
-        with TRACER.start_as_current_span(
-            name,
-            context=parent,
-            attributes=_clean(attributes),
-            links=links,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            try:
-                yield span
-            except GeneratorExit:
-                raise
-            except BaseException as exc:
-                record_error(span, exc)
-                raise
+        with (
+            TRACER.start_as_current_span(
+                name,
+                context=parent,
+                attributes=_clean(attributes),
+                links=links,
+                record_exception=False,
+                set_status_on_exception=False,
+            ) as span,
+            _errors_recorded(span),
+        ):
+            yield span
 
 
 def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -162,13 +159,22 @@ def step_span(
     """
     if span is None:
         span = start_step_span(step, attempt=attempt, job=job, attributes=attributes)
-    with trace.use_span(
-        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+    with (
+        trace.use_span(
+            span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+        ),
+        _errors_recorded(span),
     ):
-        try:
-            yield span
-        except GeneratorExit:
-            raise
-        except BaseException as exc:
-            record_error(span, exc)
-            raise
+        yield span
+
+
+@contextmanager
+def _errors_recorded(span: Span) -> Iterator[None]:
+    """Any exception escaping the body (KeyboardInterrupt too) marks ``span`` as an error."""
+    try:
+        yield
+    except GeneratorExit:
+        raise
+    except BaseException as exc:
+        record_error(span, exc)
+        raise

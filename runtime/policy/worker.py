@@ -11,10 +11,12 @@ a free port; `init_distributed` on every rank then joins torch.distributed (gloo
 NCCL with a GPU) with an explicit timeout, so a rank that never arrives fails the group
 instead of hanging for gloo's default 30 minutes.
 
-One training step is three fanned-out phases (see `runtime.policy.trainer`):
-`begin_train_step(loss_fn)` (collective: global token count), `train_step()` (local
-forward/backward), `finish_train_step()` (collective: gradients, clip, AdamW). Every method
-accepts ``_otel_carrier`` (a W3C carrier dict, unused until tracing lands).
+One training step has three phases (see `runtime.policy.trainer`): `begin_train_step`
+(collective: global token count), `train_step` (local forward/backward), `finish_train_step`
+(collective: gradients, clip, AdamW). The controller's loop sends a step as two calls,
+`start_sft_step` (commit the previous batch, load, begin, train) and `finish_train_step`;
+the phases stay callable one by one for tools and tests. Every method accepts
+``_otel_carrier`` (a W3C carrier dict: the worker's spans join the caller's trace).
 """
 
 from __future__ import annotations
