@@ -14,6 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
+os.environ.setdefault("TQDM_DISABLE", "1")  # energon's buffer-filling progress bars
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

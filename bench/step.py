@@ -48,6 +48,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+os.environ.setdefault("TQDM_DISABLE", "1")  # energon's buffer-filling progress bars
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

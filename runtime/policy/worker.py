@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.data.batch import BatchSource, StepEnvelope
+from runtime.errors import UserInputError
 from runtime.faults import fault_point
 from runtime.policy import checkpoint as ckpt
 from runtime.policy.config import ClusterConfig, PolicyConfig
@@ -56,6 +57,8 @@ class PolicyWorkerBase:
         cluster: ClusterConfig,
         seed: int = 0,
     ) -> None:
+        if cluster.gpus_per_worker and not torch.cuda.is_available():
+            raise UserInputError(_no_cuda_message(cluster.gpus_per_node))
         self.rank = rank
         self.world_size = world_size
         self.policy = policy
@@ -70,7 +73,7 @@ class PolicyWorkerBase:
         random.seed(seed + rank)
         np.random.seed(seed + rank)
         torch.manual_seed(seed + rank)
-        self.has_gpu = bool(cluster.gpus_per_worker) and torch.cuda.is_available()
+        self.has_gpu = bool(cluster.gpus_per_worker)
         self.device = torch.device("cuda", 0) if self.has_gpu else torch.device("cpu")
         if self.has_gpu:
             torch.cuda.set_device(self.device)
@@ -370,6 +373,17 @@ class PolicyWorkerBase:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _no_cuda_message(gpus_per_node: int) -> str:
+    """Why a worker that was given a GPU cannot use it, and what to change."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    build = torch.version.cuda or "none (a CPU-only build)"
+    return (
+        f"cluster.gpus_per_node={gpus_per_node}, but torch on {socket.gethostname()} sees no "
+        f"CUDA device (CUDA_VISIBLE_DEVICES={visible}, torch {torch.__version__}, CUDA {build}); "
+        "install a CUDA build of torch on every node or set cluster.gpus_per_node: 0"
+    )
 
 
 def _set_niceness(target: int | None) -> int:

@@ -220,3 +220,14 @@ def _seeded_rng_state(seed: int) -> torch.Tensor:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return torch.get_rng_state()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error torch gives without CUDA")
+def test_a_gpu_worker_without_cuda_is_refused_naming_the_key(cluster_cfg, policy_cfg):
+    """Ray may grant a GPU that torch cannot use (a CPU-only torch build, a hidden device):
+    the worker refuses at start instead of silently training on the CPU."""
+    from runtime.policy.worker import PolicyWorkerBase
+
+    cluster = cluster_cfg.model_copy(update={"gpus_per_node": cluster_cfg.workers_per_node})
+    with pytest.raises(UserInputError, match="cluster.gpus_per_node=2, but torch on .* no CUDA"):
+        PolicyWorkerBase(0, 2, policy_cfg, cluster, seed=0)
