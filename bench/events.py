@@ -56,6 +56,14 @@ def _bare_parse(path: Path) -> float:
     return time.perf_counter() - t0
 
 
+def _replay(path: Path, steps: int) -> float:
+    t0 = time.perf_counter()
+    state = replay(read_log(path))
+    secs = time.perf_counter() - t0
+    assert state.total_steps == steps
+    return secs
+
+
 def run(records: int = 1_000_000, appends: int = 100_000, durable: int = 2_000) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
@@ -70,10 +78,7 @@ def run(records: int = 1_000_000, appends: int = 100_000, durable: int = 2_000) 
         _append(big_dir, records - 2, durable=False)
         path = big_dir / "events.jsonl"
         bare = min(_bare_parse(path) for _ in range(2))
-        t0 = time.perf_counter()
-        state = replay(read_log(path))
-        secs = time.perf_counter() - t0
-        assert state.total_steps == records - 2
+        secs = min(_replay(path, records - 2) for _ in range(2))  # best of 2, like the reference
         ratio = secs / bare
         rows.append(
             Row(

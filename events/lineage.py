@@ -77,8 +77,19 @@ def records_in_effect(log: LogLike) -> Iterator[Record]:
     origin = _origin(log, source)
     last_step = 0
     checkpoints = {0}
+    rolled_back = any(limit != math.inf for limit in limits.values())
     for rec in source:
-        if rec.type == "run_started":
+        type_ = rec.type
+        if type_ == "step_committed":  # nearly every line: checked first
+            step = rec.data["step"]
+            if step != last_step + 1:
+                raise LineageError(
+                    origin,
+                    rec.line,
+                    f"step {step} committed after step {last_step} (steps must follow one another)",
+                )
+            last_step = step
+        elif type_ == "run_started":
             resumed = rec.data.get("resumed_from_step") or 0
             if resumed not in checkpoints:
                 raise LineageError(
@@ -89,16 +100,7 @@ def records_in_effect(log: LogLike) -> Iterator[Record]:
                 )
             last_step = resumed
             checkpoints = {s for s in checkpoints if s <= resumed}
-        elif rec.type == "step_committed":
-            if rec.data["step"] != last_step + 1:
-                raise LineageError(
-                    origin,
-                    rec.line,
-                    f"step {rec.data['step']} committed after step {last_step} "
-                    "(steps must follow one another)",
-                )
-            last_step = rec.data["step"]
-        elif rec.type == "checkpoint_saved":
+        elif type_ == "checkpoint_saved":
             if rec.data["step"] != last_step:
                 raise LineageError(
                     origin,
@@ -106,7 +108,11 @@ def records_in_effect(log: LogLike) -> Iterator[Record]:
                     f"checkpoint of step {rec.data['step']} saved after step {last_step}",
                 )
             checkpoints.add(last_step)
-        if rec.type in _STEP_TYPES and rec.data["step"] > limits.get(rec.attempt, math.inf):
+        if (
+            rolled_back
+            and type_ in _STEP_TYPES
+            and rec.data["step"] > limits.get(rec.attempt, math.inf)
+        ):
             continue
         yield rec
 

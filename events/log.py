@@ -48,8 +48,8 @@ class LogReader:
 
     def __iter__(self) -> Iterator[Record]:
         self.state = ScanState()
-        with open(self.path, "rb", buffering=1 << 20) as fh:
-            yield from scan_lines(fh, self.path, self.state, validate=self.validate)
+        fh = open(self.path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed by the scan
+        return scan_lines(fh, self.path, self.state, validate=self.validate, close=fh.close)
 
     @property
     def torn_bytes(self) -> int:
@@ -65,7 +65,7 @@ class LogReader:
         points = []
         with open(self.path, "rb", buffering=1 << 20) as fh:
             for raw in fh:
-                if raw[: -_SUFFIX_LEN - 1].endswith(_RUN_STARTED):
+                if raw.endswith(_RUN_STARTED, 0, len(raw) - _SUFFIX_LEN - 1):  # no copy
                     try:
                         f = orjson.loads(raw)
                         points.append((f["attempt"], f["data"].get("resumed_from_step") or 0))

@@ -9,8 +9,7 @@ that keeps verification cheap enough to run on every open.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -19,9 +18,12 @@ _DIGEST_PREFIX = b',"digest":"'
 _SUFFIX_LEN = len(_DIGEST_PREFIX) + 64 + 2  # ,"digest":"<64 hex>"}
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    """A verified record as read back: envelope fields plus the payload as plain data."""
+class Record(NamedTuple):
+    """A verified record as read back: envelope fields plus the payload as plain data.
+
+    A named tuple: immutable like a frozen dataclass, but built about 5x faster, and one is
+    built per line of every replay.
+    """
 
     seq: int
     type: str

@@ -107,10 +107,11 @@ def replay(log: LogLike, until_step: int | None = None) -> SFTV2SaveState:
         for rec in records_in_effect(log):
             if rec.type == "step_committed":
                 data = rec.data
-                if data["step"] > stop:
+                step = data["step"]
+                if step > stop:
                     break
-                if data["step"] != steps + 1:
-                    raise ValueError(f"step {data['step']} cannot follow total_steps {steps}")
+                if step != steps + 1:
+                    raise ValueError(f"step {step} cannot follow total_steps {steps}")
                 steps, samples, tokens = (
                     steps + 1,
                     samples + data["source_samples"],
