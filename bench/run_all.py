@@ -1,14 +1,18 @@
 """`make bench`: run every benchmark in bench/, print one table, write bench/RESULTS.md.
 
 Each benchmark module exposes ``run() -> list[dict]`` of rows measured side by side with
-their reference in the same run; this script only gathers and prints them.
+their reference in the same run; this script only gathers and prints them. Each runs in a
+fresh Python process, so what one leaves behind (a 1 GB heap, a global tracer provider, page
+cache being written back) does not weigh on the next.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -21,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from bench.table import render  # noqa: E402
 
 BENCHMARKS = ["events", "loader", "policy", "tracing", "step"]
+MARK = "bench-rows: "
 
 
 def main() -> int:
@@ -29,12 +34,14 @@ def main() -> int:
         if not (ROOT / "bench" / f"{name}.py").exists():
             continue
         print(f"== bench/{name}.py", flush=True)
-        try:
-            rows = importlib.import_module(f"bench.{name}").run()
-        except Exception:  # one broken benchmark must not hide the others
-            traceback.print_exc()
+        done = subprocess.run(
+            [sys.executable, __file__, "--one", name], stdout=subprocess.PIPE, text=True
+        )
+        if done.returncode:  # one broken benchmark must not hide the others
             failed.append(name)
             continue
+        marked = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+        rows = json.loads(marked[-1][len(MARK) :])
         table = render(rows)
         print(table, flush=True)
         sections.append(f"## bench/{name}.py\n\n```\n{table}\n```\n")
@@ -50,5 +57,18 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def one(name: str) -> int:
+    """Run one benchmark here; its rows as one JSON line on stdout after ``MARK``."""
+    try:
+        rows = importlib.import_module(f"bench.{name}").run()
+    except Exception:
+        traceback.print_exc()
+        return 1
+    print(MARK + json.dumps(rows), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--one"]:
+        sys.exit(one(sys.argv[2]))
     sys.exit(main())

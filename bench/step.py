@@ -76,7 +76,7 @@ LOADING = {
     "model": {"d_model": 16, "n_layers": 1, "n_heads": 1, "max_seq_len": 256},
     "seq": 256,
     "global_batch": 32,
-    "micro": 8,
+    "micro": 16,
     "packing": True,
 }
 
