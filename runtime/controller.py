@@ -58,10 +58,8 @@ from traces.spans import (
     JOB_SPAN,
     POLICY_TRAINING_SPAN,
     SAVE_SPAN,
-    carrier_of,
     record_error,
     set_attributes_lazily,
-    start_step_span,
     step_span,
     traced,
 )
@@ -85,7 +83,7 @@ class SFTController:
         self._losses: list[float] = []
         self.log = None
         self.calls = StepCalls(self.group, actor_args.loss_fn)
-        self._job = self._next_span = None  # the job span; a step span started ahead
+        self._job = None  # the job span (each step span links to it)
         self._t_free = 0.0  # when the workers finished the last step
         self.model: ControllerModel | None = None
         self.metrics: MetricsLogger | None = None
@@ -118,7 +116,7 @@ class SFTController:
                     self._check_driver()
                     self.model.stop_requested = self._stop.is_set()
                     if self.model.halt():  # to saving first when steps are unsaved
-                        self._drop_ahead()
+                        self.calls.drop_ahead()
                         if self.model.state is S.saving:
                             self._save_checkpoint()
                         break
@@ -195,7 +193,7 @@ class SFTController:
 
     def _run_one_step(self) -> None:
         step = self.model.save_state.total_steps + 1
-        ahead, self._next_span = self._next_span, None  # its start was sent with the last step
+        ahead = self.calls.ahead_span(step)  # its start was sent with the last step
         with step_span(step, attempt=self._attempt, job=self._job, span=ahead) as span:
             t0 = self._t_free if ahead is not None else time.perf_counter()
             phase, policy_open, batch_active = "loading", True, True
@@ -248,7 +246,7 @@ class SFTController:
         finish = self.calls.finish(carrier)
         state = replace(self.model.save_state, total_steps=step)
         if self.model.rules.continues_after(state, time.time(), stopping=self._stop.is_set()):
-            self._send_ahead(step + 1, commit=True)
+            self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
         outs = self.group.wait(START_METHOD, start)
         envelopes = [outs[rank]["envelope"] for rank in self.group.owner_ranks]
         check_envelopes(envelopes, self.plan.logical_world_size)
@@ -256,24 +254,12 @@ class SFTController:
         self.model.batch_loaded()
         return envelopes, self.group.wait("finish_train_step", finish)
 
-    def _send_ahead(self, step: int, *, commit: bool) -> None:
-        """Queue ``step``'s start behind the calls sent so far, in a step span of its own."""
-        self._next_span = start_step_span(step, attempt=self._attempt, job=self._job)
-        self.calls.send_ahead(step, carrier_of(self._next_span), commit=commit)
-
     def _send_ahead_past_save(self, state: Any) -> None:
         """Workers start the next step once their checkpoint files are written, while the
-        controller finishes the checkpoint (unless the run stops: see `_drop_ahead`)."""
+        controller finishes the checkpoint (unless the run stops: `StepCalls.drop_ahead`)."""
         if not self.model.rules.should_stop(state, now=time.time(), stopping=self._stop.is_set()):
-            self._send_ahead(state.total_steps + 1, commit=False)  # the save committed
-
-    def _drop_ahead(self) -> None:
-        """Undo the next step's start if it was sent ahead; its span ends as discarded."""
-        span, self._next_span = self._next_span, None
-        self.calls.drop_ahead()
-        if span is not None:
-            span.set_attribute("sft.discarded", True)
-            span.end()
+            step, attempt = state.total_steps + 1, self._attempt  # the save committed
+            self.calls.send_ahead(step, commit=False, attempt=attempt, job=self._job)
 
     def _load_envelopes(self) -> list:
         """Load on every owner (the step's first phase, fanned out on its own)."""
@@ -302,7 +288,7 @@ class SFTController:
 
     def _loader_state_dicts(self) -> list[bytes]:
         """Each owner's loader state, pickled in the worker (see `dump_loader_state`)."""
-        self._drop_ahead()
+        self.calls.drop_ahead()
         self.calls.flush_commit()
         return self._owner_call("sft_dataloader_state_bytes")
 
@@ -319,7 +305,7 @@ class SFTController:
         with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
             t0 = time.perf_counter()
             metric = self._checkpoint_metric(self._last_metrics) if self._last_metrics else None
-            self._drop_ahead()
+            self.calls.drop_ahead()
             commit, self.calls.commit_pending = self.calls.commit_pending, False
             save_policy = partial(
                 save_policy_files,
@@ -349,9 +335,9 @@ class SFTController:
     ) -> None:
         """Undo what the step opened, record `step_aborted`; cleanup failures only warn."""
         quietly("wait for the step's calls", self.calls.settle)
-        if self._next_span is not None:  # a start sent ahead is undone with this step
+        if self.calls.has_ahead:  # a start sent ahead is undone with this step
             policy_open = batch_active = True
-            quietly("discard the step started ahead", self._drop_ahead)
+            quietly("discard the step started ahead", self.calls.drop_ahead)
         if policy_open:
             quietly("abort the policy step", lambda: self._all_call("abort_train_step"))
         if batch_active:
@@ -364,7 +350,7 @@ class SFTController:
 
     def _close_loaders(self) -> None:
         try:
-            self._drop_ahead()
+            self.calls.drop_ahead()
             self.calls.flush_commit()
         finally:
             self._owner_call("close_sft_dataloader")

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from traces.spans import carrier_of, start_step_span
+
 START = "start_sft_step"
 FINISH = "finish_train_step"
 SETTLE_TIMEOUT_S = 30.0
@@ -33,17 +35,21 @@ class StepCalls:
         self.group = group
         self.loss_fn = loss_fn
         self.commit_pending = False  # the last recorded step's batch still needs a commit
-        self._ahead: tuple[int, list] | None = None  # (step, start refs) sent before its turn
+        self._ahead: tuple[int, list, Any] | None = None  # (step, start refs, its step span)
         self._sent: list = []  # refs of the current step, for `settle`
 
     @property
-    def ahead_step(self) -> int | None:
-        return None if self._ahead is None else self._ahead[0]
+    def has_ahead(self) -> bool:
+        return self._ahead is not None
+
+    def ahead_span(self, step: int) -> Any:
+        """The step span of ``step`` when its start was sent ahead (the step runs inside it)."""
+        return self._ahead[2] if self._ahead is not None and self._ahead[0] == step else None
 
     def start(self, step: int, carrier: dict) -> list:
         """The refs of ``step``'s start: the ones sent ahead, or sent now."""
         if self._ahead is not None:
-            ahead, refs = self._ahead
+            ahead, refs, _ = self._ahead
             if ahead != step:
                 raise RuntimeError(f"step {ahead} was started ahead, but step {step} is next")
             self._ahead = None
@@ -58,12 +64,14 @@ class StepCalls:
         self._sent += refs
         return refs
 
-    def send_ahead(self, step: int, carrier: dict, *, commit: bool = True) -> None:
+    def send_ahead(self, step: int, *, commit: bool, attempt: int | None, job: Any) -> None:
         """Send ``step``'s start now, queued behind the calls sent so far (the current step's
-        finish, or a checkpoint's); with ``commit`` it commits the current step's batch in the
-        worker if (and only if) that step finished there."""
-        refs = self.group.submit(START, self.loss_fn, commit, _otel_carrier=carrier)
-        self._ahead = (step, refs)
+        finish, or a checkpoint's), in a step span of its own (linked to ``job``); with
+        ``commit`` it commits the current step's batch in the worker if (and only if) that
+        step finished there."""
+        span = start_step_span(step, attempt=attempt, job=job)
+        refs = self.group.submit(START, self.loss_fn, commit, _otel_carrier=carrier_of(span))
+        self._ahead = (step, refs, span)
 
     def recorded(self) -> None:
         """The current step is recorded: its batch is committed by the start sent ahead, or
@@ -86,12 +94,16 @@ class StepCalls:
             self.group.settle(refs, SETTLE_TIMEOUT_S)
 
     def drop_ahead(self) -> bool:
-        """Undo a start sent ahead (wait for it, then abort the step and the batch it opened);
-        True when there was one. The loader keeps the commit the start made."""
+        """Undo a start sent ahead (wait for it, then abort the step and the batch it opened;
+        its span ends marked discarded); True when there was one. The loader keeps the
+        commit the start made."""
         if self._ahead is None:
             return False
         self.settle()
+        span = self._ahead[2]
         self._ahead = None
+        span.set_attribute("sft.discarded", True)
+        span.end()
         self.commit_pending = False
         self.group.run("abort_train_step")
         self.group.run("abort_sft_batch", ranks="owners")

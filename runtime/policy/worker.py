@@ -21,7 +21,6 @@ the phases stay callable one by one for tools and tests. Every method accepts
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import resource
@@ -40,13 +39,13 @@ import torch.distributed as dist
 from runtime.data.batch import BatchSource, StepEnvelope
 from runtime.errors import UserInputError
 from runtime.faults import fault_point
-from runtime.policy import checkpoint as ckpt
 from runtime.policy.config import ClusterConfig, PolicyConfig
 from runtime.policy.trainer import DPTrainer
+from runtime.policy.worker_state import WorkerStateMixin
 from traces.spans import traced
 
 
-class PolicyWorkerBase:
+class PolicyWorkerBase(WorkerStateMixin):
     """The worker's logic; `PolicyWorker` is its Ray actor class."""
 
     def __init__(
@@ -296,76 +295,6 @@ class PolicyWorkerBase:
         """Drop the open step's gradients; weights and optimizer stay bitwise unchanged."""
         return self.trainer.abort()
 
-    # ----------------------------------------------------------------- checkpoints
-    def save_checkpoint(
-        self,
-        weights_path: str,
-        optimizer_path: str | None = None,
-        tokenizer_path: str | None = None,
-        is_final_checkpoint: bool = False,
-        *,
-        rng_path: str | None = None,
-        _otel_carrier: dict | None = None,
-    ) -> dict[str, Any]:
-        """Write this rank's share of a checkpoint; returns the files it wrote.
-
-        Replicas are bitwise identical, so one copy of each file is written and the big ones
-        are spread over the ranks to write in parallel: rank 0 the weights and tokenizer
-        config, rank ``1 % world_size`` the optimizer; every rank its RNG file (default
-        ``<dirname(weights_path)>/rng``).
-        """
-        if self.trainer.step_open:
-            raise RuntimeError(f"rank {self.rank}: cannot save while a train step is open")
-        files: list[str] = []
-        if optimizer_path is not None and self.rank == 1 % self.world_size:
-            path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
-            state = self.trainer.optimizer_state()
-            state["is_final_checkpoint"] = bool(is_final_checkpoint)
-            files.append(ckpt.save_torch(path, state))
-        if self.rank == 0:
-            files.append(ckpt.save_weights(weights_path, self.trainer.weights()))
-            if tokenizer_path is not None and self.policy.tokenizer is not None:
-                data = json.dumps(self.policy.tokenizer, sort_keys=True).encode()
-                path = os.path.join(tokenizer_path, "tokenizer_config.json")
-                ckpt.atomic_write(path, lambda fh: fh.write(data))
-                files.append(path)
-        rng_dir = rng_path or _default_rng_dir(weights_path)
-        path = os.path.join(rng_dir, ckpt.rng_file(self.rank))
-        files.append(ckpt.save_torch(path, ckpt.capture_rng(self.num_threads)))
-        return {"rank": self.rank, "files": files, "step": self.trainer.steps_done}
-
-    def load_checkpoint(
-        self,
-        weights_path: str,
-        optimizer_path: str | None = None,
-        *,
-        rng_path: str | None = None,
-        _otel_carrier: dict | None = None,
-    ) -> dict[str, Any]:
-        """Restore weights, optionally optimizer + schedule, and this rank's RNG state."""
-        if self.trainer.step_open:
-            raise RuntimeError(f"rank {self.rank}: cannot load while a train step is open")
-        rng_dir = rng_path or _default_rng_dir(weights_path)
-        rng_file = os.path.join(rng_dir, ckpt.rng_file(self.rank))
-        rng_state = ckpt.load_torch(rng_file, "RNG state") if os.path.isdir(rng_dir) else None
-        if rng_state is not None:
-            ckpt.restore_rng(rng_state, self.num_threads, rng_file)
-        self.trainer.load_weights(ckpt.load_weights(weights_path))
-        if optimizer_path is not None:
-            path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
-            self.trainer.load_optimizer_state(ckpt.load_torch(path, "optimizer state"))
-        return {"rank": self.rank, "step": self.trainer.steps_done, "rng": rng_state is not None}
-
-    # ----------------------------------------------------------------- inspection
-    def get_weights(self, *, _otel_carrier: dict | None = None) -> dict[str, torch.Tensor]:
-        """A CPU copy of the weights (tests and debugging)."""
-        return self.trainer.weights()
-
-    def get_optimizer_state(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
-        """A CPU copy of the optimizer + schedule state (tests and debugging)."""
-        state = self.trainer.optimizer_state()
-        return _to_cpu(state)
-
     def close(self, *, _otel_carrier: dict | None = None) -> None:
         """Close the loader and leave the process group (best effort, before a kill)."""
         try:
@@ -405,20 +334,6 @@ def _in_phase(exc: Exception, phase: str) -> Exception:
     """Tag an error with the step phase it happened in (pickled with it across Ray)."""
     exc.sft_phase = phase
     return exc
-
-
-def _default_rng_dir(weights_path: str) -> str:
-    return os.path.join(os.path.dirname(os.path.normpath(weights_path)), "rng")
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
 
 
 PolicyWorker = ray.remote(PolicyWorkerBase)

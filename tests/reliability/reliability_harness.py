@@ -289,3 +289,32 @@ def rewind_copy(ref: Reference, dest: Path, step: int) -> Path:
         if int(later.name.removeprefix("step_")) > step:
             shutil.rmtree(later)
     return dest
+
+
+def train(run_dir: Path, data_dir: Path, capsys, *overrides: str) -> tuple[int, str]:
+    """`sft-runtime train` in this process: (exit code the console script would give, what
+    it printed)."""
+    from small_run import small_raw
+
+    from runtime.cli import main as cli_main
+
+    config = run_dir.parent / f"{run_dir.name}.yaml"
+    config.write_text(yaml.safe_dump(small_raw(run_dir, data_dir, STEPS)))
+    capsys.readouterr()
+    try:
+        rc = cli_main(["train", str(config), *overrides, "--run-dir", str(run_dir)])
+    except Exception as exc:  # noqa: BLE001 - the console script prints it and exits 1
+        rc, extra = 1, f"{type(exc).__name__}: {exc}"
+    else:
+        extra = ""
+    out = capsys.readouterr()
+    return rc, out.out + out.err + extra
+
+
+def refused(run_dir: Path, data_dir: Path, capsys) -> str:
+    """Train must exit 2 and change nothing; returns the message."""
+    before = dir_digest(run_dir)
+    rc, out = train(run_dir, data_dir, capsys)
+    assert rc == 2, out
+    assert dir_digest(run_dir) == before, "a refused resume changed saved files"
+    return out

@@ -14,37 +14,16 @@ import pickle
 import shutil
 from pathlib import Path
 
-import yaml
 from reliability_harness import (
     STEPS,
     compare,
-    dir_digest,
+    refused,
     rewind_copy,
+    train,
     verify,
 )
-from small_run import small_raw
 
 from events import read_log
-from runtime.cli import main as cli_main
-
-
-def train(run_dir: Path, data_dir: Path, capsys, *overrides: str) -> tuple[int, str]:
-    """`sft-runtime train` in this process: (exit code, stdout + stderr)."""
-    config = run_dir.parent / f"{run_dir.name}.yaml"
-    config.write_text(yaml.safe_dump(small_raw(run_dir, data_dir, STEPS)))
-    capsys.readouterr()
-    rc = cli_main(["train", str(config), *overrides, "--run-dir", str(run_dir)])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
-
-
-def refused(run_dir: Path, data_dir: Path, capsys) -> str:
-    """Train must exit 2 and change nothing; returns the message."""
-    before = dir_digest(run_dir)
-    rc, out = train(run_dir, data_dir, capsys)
-    assert rc == 2, out
-    assert dir_digest(run_dir) == before, "a refused resume changed saved files"
-    return out
 
 
 def test_a_torn_last_line_is_cut_recorded_and_the_run_resumes(

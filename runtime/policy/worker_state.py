@@ -1,0 +1,110 @@
+"""`WorkerStateMixin`: what a policy worker saves, restores and shows of its state.
+
+The checkpoint files of one rank (weights and optimizer written once across the ranks, an
+RNG file per rank; layout in `runtime.policy.checkpoint`) and CPU copies for inspection.
+Mixed into `runtime.policy.worker.PolicyWorkerBase`, whose ``rank``, ``world_size``,
+``policy``, ``num_threads`` and ``trainer`` it uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from runtime.policy import checkpoint as ckpt
+
+
+class WorkerStateMixin:
+    """Checkpoint and inspection calls of a `PolicyWorker`."""
+
+    rank: int
+    world_size: int
+    policy: Any
+    num_threads: int
+    trainer: Any
+
+    def save_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        tokenizer_path: str | None = None,
+        is_final_checkpoint: bool = False,
+        *,
+        rng_path: str | None = None,
+        _otel_carrier: dict | None = None,
+    ) -> dict[str, Any]:
+        """Write this rank's share of a checkpoint; returns the files it wrote.
+
+        Replicas are bitwise identical, so one copy of each file is written and the big ones
+        are spread over the ranks to write in parallel: rank 0 the weights and tokenizer
+        config, rank ``1 % world_size`` the optimizer; every rank its RNG file (default
+        ``<dirname(weights_path)>/rng``).
+        """
+        if self.trainer.step_open:
+            raise RuntimeError(f"rank {self.rank}: cannot save while a train step is open")
+        files: list[str] = []
+        if optimizer_path is not None and self.rank == 1 % self.world_size:
+            path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
+            state = self.trainer.optimizer_state()
+            state["is_final_checkpoint"] = bool(is_final_checkpoint)
+            files.append(ckpt.save_torch(path, state))
+        if self.rank == 0:
+            files.append(ckpt.save_weights(weights_path, self.trainer.weights()))
+            if tokenizer_path is not None and self.policy.tokenizer is not None:
+                data = json.dumps(self.policy.tokenizer, sort_keys=True).encode()
+                path = os.path.join(tokenizer_path, "tokenizer_config.json")
+                ckpt.atomic_write(path, lambda fh: fh.write(data))
+                files.append(path)
+        rng_dir = rng_path or _default_rng_dir(weights_path)
+        path = os.path.join(rng_dir, ckpt.rng_file(self.rank))
+        files.append(ckpt.save_torch(path, ckpt.capture_rng(self.num_threads)))
+        return {"rank": self.rank, "files": files, "step": self.trainer.steps_done}
+
+    def load_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        *,
+        rng_path: str | None = None,
+        _otel_carrier: dict | None = None,
+    ) -> dict[str, Any]:
+        """Restore weights, optionally optimizer + schedule, and this rank's RNG state."""
+        if self.trainer.step_open:
+            raise RuntimeError(f"rank {self.rank}: cannot load while a train step is open")
+        rng_dir = rng_path or _default_rng_dir(weights_path)
+        rng_file = os.path.join(rng_dir, ckpt.rng_file(self.rank))
+        rng_state = ckpt.load_torch(rng_file, "RNG state") if os.path.isdir(rng_dir) else None
+        if rng_state is not None:
+            ckpt.restore_rng(rng_state, self.num_threads, rng_file)
+        self.trainer.load_weights(ckpt.load_weights(weights_path))
+        if optimizer_path is not None:
+            path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
+            self.trainer.load_optimizer_state(ckpt.load_torch(path, "optimizer state"))
+        return {"rank": self.rank, "step": self.trainer.steps_done, "rng": rng_state is not None}
+
+    # ----------------------------------------------------------------- inspection
+    def get_weights(self, *, _otel_carrier: dict | None = None) -> dict[str, torch.Tensor]:
+        """A CPU copy of the weights (tests and debugging)."""
+        return self.trainer.weights()
+
+    def get_optimizer_state(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
+        """A CPU copy of the optimizer + schedule state (tests and debugging)."""
+        state = self.trainer.optimizer_state()
+        return _to_cpu(state)
+
+
+def _default_rng_dir(weights_path: str) -> str:
+    return os.path.join(os.path.dirname(os.path.normpath(weights_path)), "rng")
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
