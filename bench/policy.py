@@ -112,7 +112,7 @@ class _PlainLoop:
             logits = self.model(mb.input_ids, mb.position_ids, mb.segment_ids)
             loss, metrics = fn(logits, mb, total)
             loss.backward()
-            nll += metrics["nll_sum"]
+            nll += float(metrics["nll_sum"])
         t_fb = time.perf_counter() - t_fb
         flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor([nll])])
         dist.all_reduce(flat)

@@ -213,7 +213,7 @@ class PlainLoop:
             logits = self.model(mb.input_ids, mb.position_ids, mb.segment_ids)
             loss, metrics = fn(logits, mb, total)
             loss.backward()
-            nll += metrics["nll_sum"]
+            nll += float(metrics["nll_sum"])
         grads = [p.grad for p in self.params]
         tail = torch.tensor([nll, 0.0], dtype=torch.float32)
         flat = torch.cat([g.reshape(-1) for g in grads] + [tail])

@@ -46,6 +46,19 @@ class SFTBatch:
         """Supervised target tokens of this batch (the loss normalizer's share)."""
         return int(self.loss_mask.sum().item())
 
+    def to(self, device: torch.device) -> SFTBatch:
+        """The same batch with its tensors on ``device`` (one copy per tensor, not per
+        micro-batch: a copy from pageable host memory waits for the GPU to drain)."""
+        return SFTBatch(
+            input_ids=self.input_ids.to(device),
+            loss_mask=self.loss_mask.to(device),
+            position_ids=self.position_ids.to(device),
+            segment_ids=self.segment_ids.to(device),
+            cu_seqlens=self.cu_seqlens,
+            source_ids=self.source_ids,
+            sequence_lengths=self.sequence_lengths,
+        )
+
     def rows(self, start: int, stop: int) -> SFTBatch:
         """Rows [start, stop) as a micro-batch (source ids are kept whole, for bookkeeping)."""
         return SFTBatch(

@@ -109,6 +109,8 @@ class DPTrainer:
         self.model.train()
         size = self.policy.train_micro_batch_size
         t_all = time.perf_counter()
+        if self.device.type != "cpu":
+            batch = batch.to(self.device)
         for start in range(0, batch.num_rows, size):
             mb = batch.rows(start, min(start + size, batch.num_rows))
             t0 = time.perf_counter()
@@ -120,10 +122,12 @@ class DPTrainer:
                 )
             loss, metrics = step.loss_fn(logits, mb, step.global_valid_tokens)
             loss.backward()
-            step.loss_sum += metrics["nll_sum"]
             metrics["rows"] = float(mb.num_rows)
             metrics["forward_backward_s"] = time.perf_counter() - t0
             step.micro_batches.append(metrics)
+        step.micro_batches = _read_metrics(step.micro_batches)  # the step's one host sync
+        for metrics in step.micro_batches:
+            step.loss_sum += metrics["nll_sum"]
         step.forward_backward_s = time.perf_counter() - t_all
         step.trained = True
         return {
@@ -156,14 +160,14 @@ class DPTrainer:
         if not ready:
             phase = "begin_train_step" if step is None else "train_step"
             raise RuntimeError(f"finish_train_step called before a successful {phase}")
-        if flat[-1].item() > 0:
+        global_nll, peer_not_ready = flat[-2:].tolist()
+        if peer_not_ready > 0:
             raise PeerStepError("finish_train_step: another data-parallel rank has no trained step")
         offset = 0
         for p, g in zip(self.params, grads, strict=True):
             n = g.numel()
             p.grad = flat[offset : offset + n].view_as(p)  # views into the reduced buffer
             offset += n
-        global_nll = float(flat[-2].item())
         t1 = time.perf_counter()
         with TRACER.start_as_current_span("rl.sft_v2.optimizer"):
             grad_norm = self._clip()
@@ -261,3 +265,17 @@ class DPTrainer:
         if self.policy.precision == "bfloat16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return nullcontext()
+
+
+def _read_metrics(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The micro-batches' metrics as floats, every tensor value read in one host sync."""
+    tensors = [
+        v for metrics in micro_batches for v in metrics.values() if isinstance(v, torch.Tensor)
+    ]
+    if not tensors:
+        return micro_batches
+    values = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist())
+    return [
+        {k: next(values) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        for metrics in micro_batches
+    ]
