@@ -435,7 +435,10 @@ def row(name, value, unit, reference=None, target=None, ok=None, ratio=None) -> 
     }
 
 
-def run() -> list[dict]:
+PARTS = ("overhead", "prefetch", "scaling", "resume")
+
+
+def run(parts: tuple[str, ...] = PARTS) -> list[dict]:
     import ray
 
     from runtime.data.demo import build_demo_dataset
@@ -446,10 +449,13 @@ def run() -> list[dict]:
     try:
         data = build_demo_dataset(tmp / "data", num_samples=4096, seed=0)
         _ray_up(tmp)
-        rows += _overhead(data, tmp)
-        rows += _prefetch(data, tmp)
-        rows += _scaling(data, tmp)
+        benches = {"overhead": _overhead, "prefetch": _prefetch, "scaling": _scaling}
+        for part, bench in benches.items():
+            if part in parts:
+                rows += bench(data, tmp)
         ray.shutdown()  # the resume runs start their own Ray, like a user's command
+        if "resume" not in parts:
+            return rows
         cold, warm, rss = resume_bench(data, tmp)
         c, w = statistics.median(cold), statistics.median(warm)
         ratio = statistics.median(b / a for a, b in zip(cold, warm, strict=True))
@@ -603,12 +609,21 @@ def _scaling(data: Path, tmp: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plain", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated subset of {','.join(PARTS)} (default: all)",
+    )
     args = parser.parse_args()
     if args.plain is not None:
         warnings.filterwarnings("ignore", message=".*pin_memory.*")
         print(json.dumps(PlainLoop(json.loads(args.plain)).run()), flush=True)
         return
-    print(render(run()))
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    print(render(run(parts)))
 
 
 if __name__ == "__main__":
