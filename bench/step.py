@@ -494,6 +494,12 @@ def _overhead(data: Path, tmp: Path) -> list[dict]:
         on.append(t_on)
         r_off.append(t_off / t_ref)
         r_on.append(t_on / t_ref)
+        print(
+            f"step.py: overhead round {i + 1}/{OVERHEAD_ROUNDS}: plain {t_ref * 1e3:.1f} ms, "
+            f"sft-runtime {t_off * 1e3:.1f} ms, prefetch2 {t_on * 1e3:.1f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
         losses = (plain["losses"], a["losses"], b["losses"])
     diff = max(max(abs(x - y), abs(x - z)) for x, y, z in zip(*losses, strict=True))
     ratio_off, ratio_on = statistics.median(r_off), statistics.median(r_on)
