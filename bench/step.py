@@ -520,8 +520,10 @@ def _overhead(data: Path, tmp: Path) -> list[dict]:
             ("step.time.sft_runtime_prefetch2", on, ratio_on),
         )
     ]
+    extra = statistics.median(b - a for a, b in zip(ref, off, strict=True)) * ms
     return [
         *rows,
+        row("step.overhead_per_step (sft-runtime - plain)", extra, "ms"),
         row("step.max_loss_diff_vs_plain", diff, "nats", None, "== 0", diff == 0.0),
     ]
 
