@@ -184,6 +184,46 @@ def test_trainer_step_in_one_process(precision):
     assert not torch.equal(before["head.weight"], trainer.weights()["head.weight"])
 
 
+class _FloatMetricsLoss(NLLLossFn):
+    """A user's loss that reports its metrics as Python floats (the older contract)."""
+
+    def __call__(self, logits, batch, global_valid_tokens):
+        loss, metrics = super().__call__(logits, batch, global_valid_tokens)
+        return loss, {k: float(v) for k, v in metrics.items()}
+
+
+def test_tensor_and_float_metrics_give_the_same_step_as_floats():
+    """NLLLossFn's metrics stay tensors until the last micro-batch (one host sync per step);
+    a loss returning floats trains the same step bit for bit and every metric comes out a
+    float either way."""
+    from runtime.policy.trainer import DPTrainer
+
+    policy = PolicyConfig(
+        model=ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=SEQ_LEN),
+        train_global_batch_size=6,
+        train_micro_batch_size=2,
+    )
+    batch = sources.make_batch(0, 0, 0, rows=6, seq_len=SEQ_LEN, vocab_size=VOCAB)
+    outs, weights = [], []
+    for loss_fn in (NLLLossFn(), _FloatMetricsLoss()):
+        trainer = DPTrainer(policy, seed=0, device=torch.device("cpu"))
+        trainer.begin(loss_fn, lambda: batch)
+        trained = trainer.train(batch)
+        assert all(type(v) is float for mb in trained["micro_batches"] for v in mb.values())
+        outs.append(trainer.finish())
+        weights.append(trainer.weights())
+    tensor_out, float_out = outs
+    assert len(tensor_out["micro_batches"]) == 3
+    assert tensor_out["loss"] == float_out["loss"]  # same float64 sum of the same nll sums
+    expected = sum(mb["nll_sum"] for mb in float_out["micro_batches"]) / outs[0]["valid_tokens"]
+    assert tensor_out["loss"] == pytest.approx(expected, rel=1e-6)
+    for key in ("nll_sum", "valid_tokens", "loss"):
+        assert [mb[key] for mb in tensor_out["micro_batches"]] == [
+            mb[key] for mb in float_out["micro_batches"]
+        ]
+    assert all(torch.equal(weights[0][k], v) for k, v in weights[1].items())
+
+
 def test_abort_rewinds_the_rng_that_dropout_used():
     """A step undone by `abort` (a start sent ahead, then a stop) leaves the random streams as
     they were, so the step trained again later draws the same dropout masks: bitwise exact."""
