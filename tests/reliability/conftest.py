@@ -45,8 +45,10 @@ def launch_env():
 def make_runner(tmp_path, reliability_data, launch_env):
     ray_tmp, tag = launch_env
 
-    def make(name: str = "run", steps: int = STEPS) -> Runner:
-        return Runner(tmp_path, reliability_data, ray_tmp, tag, name=name, steps=steps)
+    def make(name: str = "run", steps: int = STEPS, overrides: tuple[str, ...] = ()) -> Runner:
+        return Runner(
+            tmp_path, reliability_data, ray_tmp, tag, name=name, steps=steps, overrides=overrides
+        )
 
     return make
 

@@ -26,6 +26,7 @@ import yaml
 from events import compare_reexecutions, read_log, records_in_effect
 
 BIN = Path(sys.executable).parent / "sft-runtime"
+PREFETCH = ("data_plane.max_partitions=2",)  # read-ahead on: the same run, bit for bit
 STEPS = 7  # checkpoints every 3 steps: 3, 6 and the final 7
 TAG_VAR = "SFT_RELIABILITY_TAG"
 LAUNCH_TIMEOUT_S = 300.0
@@ -94,14 +95,20 @@ class Runner:
     session_tag: str
     name: str = "run"
     steps: int = STEPS
+    overrides: tuple[str, ...] = ()  # dotted config overrides, e.g. read-ahead on
     launches: list[Launch] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         from small_run import small_raw
 
+        from runtime.config import apply_override
+
         self.run_dir = self.root / self.name
         self.config = self.root / f"{self.name}.yaml"
-        self.config.write_text(yaml.safe_dump(small_raw(self.run_dir, self.data_dir, self.steps)))
+        raw = small_raw(self.run_dir, self.data_dir, self.steps)
+        for item in self.overrides:
+            apply_override(raw, item)
+        self.config.write_text(yaml.safe_dump(raw))
 
     @property
     def command(self) -> list[str]:

@@ -18,7 +18,8 @@ import random
 import signal
 import time
 
-from reliability_harness import compare, reap, summary_line, tagged_pids
+import pytest
+from reliability_harness import PREFETCH, compare, reap, summary_line, tagged_pids
 
 from events.log import lock_holder
 
@@ -30,9 +31,10 @@ def _rows(path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
-def test_random_sigkills_then_resume_is_exact(make_runner, reference):
+@pytest.mark.parametrize("overrides", [(), PREFETCH], ids=["read_ahead_off", "read_ahead_on"])
+def test_random_sigkills_then_resume_is_exact(make_runner, reference, overrides):
     rng = random.Random(SEED)
-    runner = make_runner("random")
+    runner = make_runner("random", overrides=overrides)
     metrics, log = runner.run_dir / "metrics.jsonl", runner.run_dir / "events.jsonl"
     kills, notes = 0, []
     for i in range(KILLS):
