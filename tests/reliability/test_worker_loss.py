@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from reliability_harness import Reference, committed, compare, load_weights
+from reliability_harness import PREFETCH, Reference, committed, compare, load_weights
 from small_run import small_config, small_raw
 
 from events import read_log
@@ -60,17 +60,18 @@ def _when_rows(path: Path, rows: int, action, stop: threading.Event) -> threadin
     return thread
 
 
+@pytest.mark.parametrize("read_ahead", [(), PREFETCH], ids=["read_ahead_off", "read_ahead_on"])
 def test_a_worker_killed_mid_step_aborts_fails_and_resumes_exactly(
-    ray_session, reliability_data, tmp_path, captured_groups
+    ray_session, reliability_data, tmp_path, captured_groups, read_ahead
 ):
-    ref_dir = tmp_path / "reference"
+    ref_dir = tmp_path / "reference"  # without read-ahead: it must not change the run
     run_training(small_config(ref_dir, reliability_data, STEPS_LONG, SAVE_EVERY))
     reference = Reference(
         ref_dir, STEPS_LONG, committed(ref_dir), load_weights(ref_dir, STEPS_LONG)
     )
 
     run_dir = tmp_path / "run"
-    config = small_config(run_dir, reliability_data, STEPS_LONG, SAVE_EVERY)
+    config = small_config(run_dir, reliability_data, STEPS_LONG, SAVE_EVERY, *read_ahead)
     stop, killed = threading.Event(), []
 
     def kill_rank_1():
@@ -107,7 +108,9 @@ def test_a_worker_killed_mid_step_aborts_fails_and_resumes_exactly(
     assert [s.data["reason"] for s in stopped] == ["failed"]
     assert aborted[0].data["error_type"] == "PolicyWorkerError"
 
-    summary = run_training(small_config(run_dir, reliability_data, STEPS_LONG, SAVE_EVERY))
+    summary = run_training(
+        small_config(run_dir, reliability_data, STEPS_LONG, SAVE_EVERY, *read_ahead)
+    )
     assert summary["reason"] == "completed"
     assert summary["resumed_from_step"] == (10 * ((step - 1) // 10) or None)
     cmp = compare(run_dir, reference)
