@@ -109,17 +109,12 @@ class DPTrainer:
         self.model.train()
         size = self.policy.train_micro_batch_size
         t_all = time.perf_counter()
-        if self.device.type != "cpu":
-            batch = batch.to(self.device)
+        batch = batch.to(self.device)  # once, not per micro-batch (no copy on the CPU)
         for start in range(0, batch.num_rows, size):
             mb = batch.rows(start, min(start + size, batch.num_rows))
             t0 = time.perf_counter()
             with self._autocast():
-                logits = self.model(
-                    mb.input_ids.to(self.device),
-                    mb.position_ids.to(self.device),
-                    mb.segment_ids.to(self.device),
-                )
+                logits = self.model(mb.input_ids, mb.position_ids, mb.segment_ids)
             loss, metrics = step.loss_fn(logits, mb, step.global_valid_tokens)
             loss.backward()
             metrics["rows"] = float(mb.num_rows)
