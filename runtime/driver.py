@@ -9,6 +9,7 @@ group are removed before the driver returns.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -19,11 +20,13 @@ import ray
 
 from runtime.cleanup import quietly
 from runtime.config import MasterConfig
-from runtime.faults import fault_point
+from runtime.faults import actor_fault_options, fault_point
 from runtime.sft_v2 import SFTSingleControllerActor, setup_sft_v2
 from traces.context import inject_carrier
 from traces.setup import setup_telemetry
 from traces.spans import DRIVER_SPAN, traced
+
+STOP_ACK_TIMEOUT_S = 60.0
 
 
 class RunInterrupted(Exception):
@@ -120,12 +123,22 @@ def _export_traces(telemetry: Any, config: MasterConfig, run_dir: Path, summary)
         )
 
 
+def _ask_to_stop(controller: Any) -> None:
+    """Wait for the controller to take the request before the user is told (the stop then
+    lands at the end of the step in flight); a controller that is gone or stuck is left to
+    the run's own result."""
+    try:
+        ray.get(controller.request_stop.remote(), timeout=STOP_ACK_TIMEOUT_S)
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        print(f"warning: the controller did not take the stop request: {exc}", file=sys.stderr)
+
+
 def _drive(config, tokenizer, on_step, on_stop_request) -> dict[str, Any]:
     args = setup_sft_v2(config, tokenizer)
     controller = None
     try:
         fault_point("driver:after_setup")
-        controller = SFTSingleControllerActor.remote(config, args)
+        controller = SFTSingleControllerActor.options(**actor_fault_options()).remote(config, args)
         ref = controller.run_with_trace_context.remote(_otel_carrier=inject_carrier())
         tail = MetricsTail(Path(config.logger.log_dir or ".") / "metrics.jsonl")
         asked = 0
@@ -140,7 +153,7 @@ def _drive(config, tokenizer, on_step, on_stop_request) -> dict[str, Any]:
                 if signals.count > asked:
                     asked = signals.count
                     if asked == 1:
-                        controller.request_stop.remote()
+                        _ask_to_stop(controller)
                         if on_stop_request is not None:
                             on_stop_request()
                     else:

@@ -3,8 +3,15 @@
 Off unless ``SFT_RUNTIME_FAULT`` is set, as ``POINT@STEP`` (or ``POINT@STEP@ATTEMPT``,
 or ``POINT`` for the first time the point is reached). The process that reaches the point
 (driver, controller or worker) SIGKILLs itself: no cleanup, no flush, no atexit, exactly
-like a machine that loses power. Ray actors inherit the variables from the driver that
-started the embedded cluster; ``SFT_RUNTIME_FAULT_RANK`` picks one worker rank.
+like a machine that loses power. ``SFT_RUNTIME_FAULT_RANK`` picks one worker rank. The
+controller and worker actors get these variables from the driver's environment (see
+`fault_env`), so a fault reaches them on an embedded or an existing cluster alike.
+
+With ``SFT_RUNTIME_FAULT_HOLD=PATH`` the process does not kill itself: it writes PATH (its
+pid, the point and the step, as JSON) and waits there until PATH is deleted, then goes on.
+A test decides from that file, not from a clock, when the run is exactly where it wants
+it: it can kill any process of the run, signal it, or look at the files, then release it.
+A process holds at most once.
 
 Points (state:phase):
   setup:after_loaders        loaders built, before loaders_ready
@@ -24,10 +31,14 @@ Points (state:phase):
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 
 ENV = "SFT_RUNTIME_FAULT"
+HOLD_ENV = ENV + "_HOLD"
+_held = False
 POINTS = frozenset(
     {
         "setup:after_loaders",
@@ -81,4 +92,30 @@ def fault_point(
         return
     if want_attempt is not None and attempt != want_attempt:
         return
-    os.kill(os.getpid(), signal.SIGKILL)
+    hold = os.environ.get(HOLD_ENV)
+    if hold:
+        _hold_at(hold, point, step, rank)
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hold_at(path: str, point: str, step: int | None, rank: int | None) -> None:
+    """Announce the point in ``path`` and wait until someone deletes it."""
+    global _held
+    if _held:
+        return
+    _held = True
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "point": point, "step": step, "rank": rank}, f)
+    os.replace(tmp, path)  # the file appears whole or not at all
+    while os.path.exists(path):
+        time.sleep(0.01)
+
+
+def actor_fault_options() -> dict:
+    """Ray options that hand this process's fault variables to an actor it starts: an
+    existing cluster's actors do not inherit the driver's environment. Empty when none is
+    set, so a normal run's actors are started exactly as before."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV)}
+    return {"runtime_env": {"env_vars": env}} if env else {}

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from runtime.data.batch import BatchSource, StepEnvelope
 from runtime.errors import PeerStepError, UserInputError
+from runtime.faults import actor_fault_options
 from runtime.policy.cluster import create_placement_group, remove_placement_group_quietly
 from runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout, parse_section
 
@@ -96,6 +97,7 @@ class PolicyWorkerGroup:
                     scheduling_strategy=strategy,
                     max_restarts=0,
                     max_task_retries=0,
+                    **actor_fault_options(),
                 )
                 .remote(rank, self.world_size, self.policy, self.cluster, seed)
             )

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,38 +60,65 @@ def test_train_events_metrics_and_checkpoints_agree(ray_session, demo_data, tmp_
     assert "checkpoints agree: [3, 6]" in capsys.readouterr().out
 
 
-def _wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        if path.exists() and any(r["step"] >= step for r in read_metrics(path)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
+def _hold_file(path: Path, proc: subprocess.Popen, lines: list[str]) -> None:
+    """Until the run holds at its fault point (a run that ends first fails the test)."""
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"exit {proc.returncode} before the hold:\n" + "".join(lines))
+        time.sleep(0.01)
+
+
+def _read_lines(proc: subprocess.Popen, lines: list[str], seen: threading.Event, text: str):
+    """Collect the launch's output in a thread; ``seen`` is set once a line holds ``text``."""
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if text in line:
+                seen.set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
 
 
 def test_sigterm_then_the_same_command_resumes_exactly(ray_session, demo_data, tmp_path):
-    steps = 60  # long enough that the stop lands mid-run (steps take 20-100 ms here)
+    """The run holds right after step 2 is durable; SIGTERM arrives there, and once the
+    command says the stop was taken the run is released: it must stop after step 2, save,
+    and the same command must resume to the uninterrupted run's losses bit for bit."""
+    steps, stop_at = 8, 2
     reference = tmp_path / "reference"
     run_training(small_config(reference, demo_data, steps))
 
     run_dir = tmp_path / "interrupted"
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(small_raw(run_dir, demo_data, steps)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "SFT_RUNTIME"))}
     env["RAY_AUTH_MODE"] = "disabled"
+    hold = tmp_path / "held"
+    held_env = dict(
+        env, SFT_RUNTIME_FAULT=f"stepping:after_append@{stop_at}", SFT_RUNTIME_FAULT_HOLD=str(hold)
+    )
     command = [str(BIN), "train", str(config), "--run-dir", str(run_dir)]
     proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command, env=held_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    _wait_for_step(run_dir / "metrics.jsonl", 1, proc)
+    lines: list[str] = []
+    taken = threading.Event()
+    reader = _read_lines(proc, lines, taken, "stop requested")
+    _hold_file(hold, proc, lines)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=240)
+    while not taken.wait(0.1):  # the driver prints it once the controller took the request
+        assert proc.poll() is None, "".join(lines)
+    hold.unlink()
+    proc.wait(timeout=240)
+    reader.join(timeout=60)
+    out = "".join(lines)
     assert proc.returncode == 130, out
     stopped = [r for r in read_log(run_dir) if r.type == "run_stopped"]
     assert [r.data["reason"] for r in stopped] == ["interrupted"]
     stop_step = stopped[0].data["last_step"]
-    assert 1 <= stop_step < steps
+    assert stop_step == stop_at
     assert stop_step in CheckpointDir(run_dir / "checkpoints").steps()  # saved on the way out
 
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

@@ -18,7 +18,7 @@ def test_alive_zombie_reaped_and_other_host():
         assert driver_alive(info) is True
         check_driver(info)
         proc.kill()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a bounded wait, not a timing claim
         while driver_alive(info) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert driver_alive(info) is False  # killed, not yet reaped: a zombie

@@ -197,7 +197,7 @@ def test_close_releases_files_threads_and_processes(make_loader, workers):
             t for t in threading.enumerate() if t not in before and not t.name.startswith("ray")
         ]
 
-    deadline = time.monotonic() + 10  # queue feeder threads finish just after their queue closes
+    deadline = time.monotonic() + 120  # queue feeder threads finish just after their queue closes
     while leaked() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leaked() == [], [t.name for t in leaked()]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logbuild import Attempt, step_event, totals_at, write_run
@@ -39,8 +41,20 @@ def run_plans(draw) -> list[Attempt]:
     return attempts
 
 
+_WRITTEN: list[Path] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_written():
+    """Hypothesis runs each test many times in one call: the folders go at the end."""
+    yield
+    while _WRITTEN:
+        shutil.rmtree(_WRITTEN.pop(), ignore_errors=True)
+
+
 def _write(plan: list[Attempt]) -> Path:
     run_dir = Path(tempfile.mkdtemp(prefix="sftlog-"))
+    _WRITTEN.append(run_dir)
     write_run(run_dir, plan)
     return run_dir
 

@@ -209,15 +209,13 @@ def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight
     """
     group = straight["group"]
     before_w = group.run("get_weights")
-    start = time.monotonic()
     started = group.submit("start_sft_step", sources.LossFailingOnRank(1), False)
     finish = group.submit("finish_train_step")
     with pytest.raises(PolicyWorkerError, match="loss blew up on rank 1") as info:
         group.wait("start_sft_step", started)
     assert info.value.phase == "train" and info.value.ranks == [1]
     with pytest.raises(PolicyWorkerError, match="no trained step|before a successful"):
-        group.wait("finish_train_step", finish)
-    assert time.monotonic() - start < 60
+        group.wait("finish_train_step", finish)  # refused, not a process-group timeout
     # the failed step is still open: a start asked to commit its batch refuses, on every rank
     with pytest.raises(PolicyWorkerError, match="did not finish") as info:
         group.run("start_sft_step", NLLLossFn(), True)

@@ -11,6 +11,7 @@ read) and ends them by pid, never by name.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import signal
@@ -114,7 +115,9 @@ class Runner:
     def command(self) -> list[str]:
         return [str(BIN), "train", str(self.config), "--run-dir", str(self.run_dir)]
 
-    def env(self, tag: str, fault: str | None = None, rank: int | None = None) -> dict[str, str]:
+    def env(
+        self, tag: str, fault: str | None = None, rank: int | None = None, hold: Path | None = None
+    ) -> dict[str, str]:
         env = {
             k: v
             for k, v in os.environ.items()
@@ -126,23 +129,47 @@ class Runner:
             env["SFT_RUNTIME_FAULT"] = fault
             if rank is not None:
                 env["SFT_RUNTIME_FAULT_RANK"] = str(rank)
+            if hold is not None:
+                env["SFT_RUNTIME_FAULT_HOLD"] = str(hold)
         return env
 
     def new_tag(self) -> str:
         return f"{self.session_tag}:{self.name}:{next(_counter)}"
 
-    def start(self, fault: str | None = None, rank: int | None = None) -> tuple[Any, str]:
-        """Start a launch in its own session; the caller waits for it or kills it."""
+    def start(
+        self, fault: str | None = None, rank: int | None = None, hold: Path | None = None
+    ) -> tuple[Any, str]:
+        """Start a launch in its own session; the caller waits for it or kills it.
+
+        With ``hold``, the process that reaches the fault point writes that file and waits
+        there (see runtime/faults.py) instead of killing itself.
+        """
         tag = self.new_tag()
         proc = subprocess.Popen(
             self.command,
-            env=self.env(tag, fault, rank),
+            env=self.env(tag, fault, rank, hold),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
         return proc, tag
+
+    def wait_held(self, proc: Any, tag: str, hold: Path) -> dict[str, Any]:
+        """Until the launch holds at its fault point; a launch that exits first, or never
+        gets there, fails the test with its output."""
+        t0 = time.monotonic()
+        while not hold.exists():
+            if proc.poll() is not None or time.monotonic() - t0 > LAUNCH_TIMEOUT_S:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
+                reap(tag, grace_s=5)
+                raise AssertionError(
+                    f"launch never held at {hold.name} (exit {proc.returncode}):\n{out[-4000:]}"
+                )
+            time.sleep(0.01)
+        return json.loads(hold.read_text())
 
     def launch(self, fault: str | None = None, rank: int | None = None) -> Launch:
         """Run one launch to its end (a hang is killed and fails the test)."""

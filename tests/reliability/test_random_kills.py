@@ -1,13 +1,17 @@
-"""Issue 7.2: SIGKILL the whole process group of `sft-runtime train` at random moments.
+"""SIGKILL the whole process group of `sft-runtime train` at seeded random points of the run.
 
 Like a node that loses power (or a scheduler that kills the job): no signal handler, no
-cleanup. The first kill lands after a seeded random delay (mostly while Ray and the
-workers start), the others a seeded moment just after a step that no checkpoint covers
-yet, so the resume has to run committed steps again. Ray starts its workers in sessions
-of their own, so they outlive the process group for a moment; the harness waits for them
-(ending by pid any that outlive a grace period) before the next launch. The lock file
-stays behind naming a dead process and must not block the resume. Then the same command
-finishes and the run is compared with the uninterrupted reference.
+cleanup. The randomness is in *where* each launch dies: a seeded choice of fault point
+(start-up, a phase of a step, a worker's forward/backward or optimizer, a moment of a
+checkpoint) and step. The launch holds at that point (``SFT_RUNTIME_FAULT_HOLD``) and the
+test kills the process group once the hold file says it is there, so the kill lands where
+the plan says on a fast machine and on a slow one. The first kill may land anywhere; the
+later ones lose a committed step that no checkpoint covers, so the resume has to run
+committed steps again. Ray starts its workers in sessions of their own, so they outlive the
+process group for a moment; the harness waits for them (ending by pid any that outlive a
+grace period) before the next launch. The lock file stays behind naming a dead process and
+must not block the resume. Then the same command finishes and the run is compared with the
+uninterrupted reference.
 """
 
 from __future__ import annotations
@@ -16,61 +20,78 @@ import fcntl
 import os
 import random
 import signal
-import time
 
 import pytest
-from reliability_harness import PREFETCH, compare, reap, summary_line, tagged_pids
+from reliability_harness import PREFETCH, STEPS, compare, reap, summary_line, tagged_pids
 
+from events import read_log, records_in_effect
 from events.log import lock_holder
 
 SEED = 7_2024
 KILLS = 3
+SAVE_PERIOD = 3  # small_run's checkpoints: every 3 steps and the last
+CHECKPOINTS = {s for s in range(1, STEPS + 1) if s % SAVE_PERIOD == 0} | {STEPS}
+START = ("driver:after_setup", "setup:after_loaders")
+IN_CONTROLLER = ("stepping:after_load", "stepping:after_optimizer", "stepping:after_commit")
+IN_WORKER = ("worker:train", "worker:finish")  # may run before the previous step's append
+SAVING = ("saving:after_weights", "saving:before_rename", "saving:after_rename")
 
 
-def _rows(path) -> int:
-    return path.read_bytes().count(b"\n") if path.exists() else 0
+def _last_checkpoint(run_dir) -> int:
+    if not (run_dir / "events.jsonl").exists():
+        return 0
+    saved = [
+        r.data["step"] for r in records_in_effect(read_log(run_dir)) if r.type == "checkpoint_saved"
+    ]
+    return max(saved, default=0)
+
+
+def _candidates(covered: int, first: bool) -> list[tuple[str, int | None]]:
+    """Fault points a launch resumed from checkpoint ``covered`` is certain to reach.
+
+    The first launch may die anywhere; later ones only where a committed step that no
+    checkpoint covers is lost (the step just appended, or the step before the one the
+    controller is in), so the next resume must execute it again.
+    """
+    out: list[tuple[str, int | None]] = []
+    if first:
+        out += [(point, None) for point in START]
+        out += [(p, s) for s in range(covered + 1, STEPS + 1) for p in IN_CONTROLLER + IN_WORKER]
+        out += [(p, s) for s in sorted(CHECKPOINTS) if covered < s < STEPS for p in SAVING]
+    out += [("stepping:after_append", s) for s in range(covered + 1, STEPS)]
+    lost_before = [s for s in range(covered + 2, STEPS + 1) if s - 1 not in CHECKPOINTS]
+    out += [(p, s) for s in lost_before for p in IN_CONTROLLER]
+    return out
 
 
 @pytest.mark.parametrize("overrides", [(), PREFETCH], ids=["read_ahead_off", "read_ahead_on"])
 def test_random_sigkills_then_resume_is_exact(make_runner, reference, overrides):
-    rng = random.Random(SEED)
+    rng = random.Random(f"{SEED}:{'/'.join(overrides)}")
     runner = make_runner("random", overrides=overrides)
-    metrics, log = runner.run_dir / "metrics.jsonl", runner.run_dir / "events.jsonl"
+    log = runner.run_dir / "events.jsonl"
     kills, notes = 0, []
     for i in range(KILLS):
-        proc, tag = runner.start()
-        rows = _rows(metrics)
-        if i == 0:
-            deadline = time.monotonic() + rng.uniform(2.0, 10.0)
-            while time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.05)
-        else:
-            # a step past the last checkpoint (1 or 4, with checkpoints every 3), so
-            # the kill loses committed steps that the resume must re-execute identically
-            target = rows + 1
-            while target % 3 != 1:  # 1 or 4: the next step is not a checkpoint step either
-                target += 1
-            limit = time.monotonic() + 240
-            while _rows(metrics) < target and proc.poll() is None and time.monotonic() < limit:
-                time.sleep(0.002)
-            # steps take 15-100 ms here and the next checkpoint is two steps away: kill soon
-            time.sleep(rng.uniform(0.0, 0.005))
-        if proc.poll() is not None:  # it finished (or failed) before the kill
-            out, _ = proc.communicate()
-            assert proc.returncode in (0, 1), out[-3000:]
-            assert "already being written" not in out, out[-3000:]
-            reap(tag)
-            continue
+        covered = _last_checkpoint(runner.run_dir)
+        point, step = rng.choice(_candidates(covered, first=i == 0))
+        rank = rng.choice([0, 1]) if point.startswith("worker:") else None
+        fault = point if step is None else f"{point}@{step}"
+        hold = runner.root / f"hold-{i}"
+        proc, tag = runner.start(fault, rank, hold=hold)
+        where = runner.wait_held(proc, tag, hold)
+        assert where["point"] == point, where
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         size_at_kill = log.stat().st_size if log.exists() else 0
         kills += 1
         lived, killed = reap(tag)
         assert tagged_pids(tag) == []
+        hold.unlink()
         grew = (log.stat().st_size if log.exists() else 0) - size_at_kill
         notes.append(
-            f"kill {kills}: orphans gone after {lived:.1f}s ({killed} ended by pid), "
-            f"log grew {grew} B after the kill"
+            f"kill {kills} at {fault}"
+            + (f" rank {rank}" if rank is not None else "")
+            + f" (checkpoint {covered} behind): orphans gone after {lived:.1f}s "
+            f"({killed} ended by pid), log grew {grew} B after the kill"
         )
         lock = runner.run_dir / "events.lock"
         if lock.exists():  # the stale lock: names a pid of the killed launch, and is free
@@ -87,6 +108,6 @@ def test_random_sigkills_then_resume_is_exact(make_runner, reference, overrides)
     print("\n" + summary_line("random-sigkill", kills, len(finish), cmp))
     for note in notes:
         print("  " + note)
-    assert kills >= 2
+    assert kills == KILLS
     assert cmp.reexecuted >= 1, "no kill cost a step: nothing re-executed was compared"
     assert cmp.mismatches == []

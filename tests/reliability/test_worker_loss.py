@@ -1,7 +1,9 @@
-"""Issue 7.4 and 7.5: a worker killed mid-step, and a second run on a live run directory.
+"""A worker killed mid-step, and a second run on a live run directory.
 
 In-process runs on the session's Ray. The worker group is captured when the driver builds
-it, so a thread can `ray.kill` a worker while the controller trains.
+it, so a thread can `ray.kill` a worker while the controller trains. When to act is decided
+by the run itself: a fault point holds the run (``SFT_RUNTIME_FAULT_HOLD``) exactly where
+the test wants it, and a thread acts once the hold file appears.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from runtime.driver import run_training
 from runtime.errors import UserInputError
 from runtime.policy.group import PolicyWorkerGroup
 
-STEPS_LONG = 24  # checkpoints at 10, 20, 24: a kill after step 12 lands in a step
+STEPS_LONG = 24  # checkpoints at 10, 20, 24
 SAVE_EVERY = "checkpointing.save_period=10"
+KILL_AT = 13  # rank 1 dies inside this step's forward/backward: steps 11 and 12 are lost
 
 
 @pytest.fixture
@@ -43,14 +46,25 @@ def stopped_error(records) -> str:
     return next(r.data["error"] for r in records if r.type == "run_stopped")
 
 
-def _rows(path: Path) -> int:
-    return path.read_bytes().count(b"\n") if path.exists() else 0
+def _hold_at(monkeypatch, hold: Path, fault: str, rank: int | None = None) -> None:
+    """The run (its controller and workers get these variables) holds at ``fault``."""
+    monkeypatch.setenv("SFT_RUNTIME_FAULT", fault)
+    monkeypatch.setenv("SFT_RUNTIME_FAULT_HOLD", str(hold))
+    if rank is not None:
+        monkeypatch.setenv("SFT_RUNTIME_FAULT_RANK", str(rank))
 
 
-def _when_rows(path: Path, rows: int, action, stop: threading.Event) -> threading.Thread:
+def _no_faults(monkeypatch) -> None:
+    for name in ("SFT_RUNTIME_FAULT", "SFT_RUNTIME_FAULT_HOLD", "SFT_RUNTIME_FAULT_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _when_held(hold: Path, action, stop: threading.Event) -> threading.Thread:
+    """Run ``action`` in a thread once the run holds (its hold file exists)."""
+
     def watch():
         while not stop.is_set():
-            if _rows(path) >= rows:
+            if hold.exists():
                 action()
                 return
             time.sleep(0.005)
@@ -62,7 +76,7 @@ def _when_rows(path: Path, rows: int, action, stop: threading.Event) -> threadin
 
 @pytest.mark.parametrize("read_ahead", [(), PREFETCH], ids=["read_ahead_off", "read_ahead_on"])
 def test_a_worker_killed_mid_step_aborts_fails_and_resumes_exactly(
-    ray_session, reliability_data, tmp_path, captured_groups, read_ahead
+    ray_session, reliability_data, tmp_path, captured_groups, read_ahead, monkeypatch
 ):
     ref_dir = tmp_path / "reference"  # without read-ahead: it must not change the run
     run_training(small_config(ref_dir, reliability_data, STEPS_LONG, SAVE_EVERY))
@@ -73,21 +87,22 @@ def test_a_worker_killed_mid_step_aborts_fails_and_resumes_exactly(
     run_dir = tmp_path / "run"
     config = small_config(run_dir, reliability_data, STEPS_LONG, SAVE_EVERY, *read_ahead)
     stop, killed = threading.Event(), []
+    hold = tmp_path / "held"
+    _hold_at(monkeypatch, hold, f"worker:train@{KILL_AT}", rank=1)
 
     def kill_rank_1():
         group = captured_groups[-1]
         ray_session.kill(group.workers[1], no_restart=True)
-        killed.append(_rows(run_dir / "metrics.jsonl"))
+        killed.append(KILL_AT)
 
-    watcher = _when_rows(run_dir / "metrics.jsonl", 12, kill_rank_1, stop)
-    t0 = time.monotonic()
+    watcher = _when_held(hold, kill_rank_1, stop)
     try:
         with pytest.raises(Exception) as err:
             run_training(config)
     finally:
         stop.set()
-        watcher.join(timeout=10)
-    seconds = time.monotonic() - t0
+        watcher.join(timeout=60)
+        _no_faults(monkeypatch)
     assert killed, "the worker was never killed"
     assert not isinstance(err.value, (UserInputError, EventLogError))  # the CLI exits 1
     message = str(err.value)
@@ -100,7 +115,7 @@ def test_a_worker_killed_mid_step_aborts_fails_and_resumes_exactly(
     aborted = [r for r in records if r.type == "step_aborted"]
     assert len(aborted) == 1, [(r.type, r.data.get("step")) for r in records]
     step = aborted[0].data["step"]
-    assert step > killed[0] and step < STEPS_LONG
+    assert step == KILL_AT
     assert aborted[0].data["error"] in stopped_error(records)
     committed_steps = [r.data["step"] for r in records if r.type == "step_committed"]
     assert committed_steps == list(range(1, step))
@@ -115,7 +130,7 @@ def test_a_worker_killed_mid_step_aborts_fails_and_resumes_exactly(
     assert summary["resumed_from_step"] == (10 * ((step - 1) // 10) or None)
     cmp = compare(run_dir, reference)
     print(
-        f"\n[worker-kill] aborted step {step} after {seconds:.1f}s (error blames {blamed}), "
+        f"\n[worker-kill] aborted step {step} (error blames {blamed}), "
         f"driver saw {type(err.value).__name__}, resumed from "
         f"{summary['resumed_from_step']}, steps_compared={cmp.steps_compared} "
         f"reexecuted_steps={cmp.reexecuted} mismatches={len(cmp.mismatches)}"
@@ -124,35 +139,42 @@ def test_a_worker_killed_mid_step_aborts_fails_and_resumes_exactly(
 
 
 def test_a_second_run_on_a_live_run_directory_is_refused(
-    ray_session, reliability_data, tmp_path, capsys
+    ray_session, reliability_data, tmp_path, capsys, monkeypatch
 ):
+    """The first run holds just after step 1 is durable; a second `train` on its directory
+    is refused then, and the first run, released, finishes alone."""
+    steps = 3
     run_dir = tmp_path / "run"
-    first_config = small_config(run_dir, reliability_data, 60, "checkpointing.save_period=30")
+    first_config = small_config(run_dir, reliability_data, steps)
     config_file = tmp_path / "second.yaml"
-    config_file.write_text(yaml.safe_dump(small_raw(run_dir, reliability_data, 60)))
+    config_file.write_text(yaml.safe_dump(small_raw(run_dir, reliability_data, steps)))
+    hold = tmp_path / "held"
+    _hold_at(monkeypatch, hold, "stepping:after_append@1")
     outcome: dict = {}
     stop = threading.Event()
 
     def second_writer():
-        capsys.readouterr()
-        outcome["rc"] = cli_main(["train", str(config_file), "--run-dir", str(run_dir)])
-        outcome["err"] = capsys.readouterr().err
-        outcome["first_still_running"] = (
-            not (run_dir / "metrics.jsonl").read_bytes().count(b"\n") >= 60
-        )
+        try:
+            capsys.readouterr()
+            outcome["rc"] = cli_main(["train", str(config_file), "--run-dir", str(run_dir)])
+            outcome["err"] = capsys.readouterr().err
+            outcome["steps_meanwhile"] = sorted(committed(run_dir))
+        finally:
+            hold.unlink()  # release the first run
 
-    watcher = _when_rows(run_dir / "metrics.jsonl", 1, second_writer, stop)
+    watcher = _when_held(hold, second_writer, stop)
     try:
         summary = run_training(first_config)
     finally:
         stop.set()
         watcher.join(timeout=60)
-    assert summary["reason"] == "completed" and summary["total_steps"] == 60
+        _no_faults(monkeypatch)
+    assert summary["reason"] == "completed" and summary["total_steps"] == steps
     assert outcome["rc"] == 2, outcome
     assert "is already being written by another run" in outcome["err"]
-    assert outcome["first_still_running"]
+    assert outcome["steps_meanwhile"] == [1]  # refused while the first run was mid-way
     assert sorted({r.attempt for r in read_log(run_dir)}) == [1]  # the second wrote nothing
-    assert sorted(committed(run_dir)) == list(range(1, 61))
+    assert sorted(committed(run_dir)) == list(range(1, steps + 1))
 
 
 def test_the_worker_error_reaches_the_driver_as_itself():

@@ -107,5 +107,27 @@ def test_shutdown_is_bounded_when_the_collector_is_down(target, request, run_sce
         },
     )
     assert out["produced"] == 2  # spans were made; only their export failed
-    # a behaviour bound (the SDK default blocks ~6 s or more), not a performance test
-    assert out["shutdown_s"] < timeout * 3 + 2
+    assert isinstance(out["shutdown_ok"], bool)  # it came back (the bound: the test below)
+    print(f"\nshutdown with the collector down ({target}): {out['shutdown_s']:.2f} s")
+
+
+def test_shutdown_gives_up_on_a_provider_that_never_returns():
+    """The bound is structural: a provider whose shutdown never returns (a dead collector at
+    its worst) is left behind and the shutdown reports False, whatever the machine's speed."""
+    import threading
+
+    from runtime.config import TelemetryConfig
+    from traces.setup import Telemetry
+
+    never = threading.Event()
+
+    class Stuck:
+        def shutdown(self, *args, **kwargs):
+            never.wait()
+
+    config = TelemetryConfig(enabled=True, exporters=["memory"], shutdown_timeout_s=0.2)
+    tel = Telemetry(enabled=True, config=config, tracer_provider=Stuck())
+    with pytest.warns(RuntimeWarning, match="could not shut down telemetry within 0.2 s"):
+        assert tel.shutdown() is False
+    assert tel.shutdown() is True  # idempotent: already closed
+    never.set()
