@@ -16,8 +16,8 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.table import Row, render  # noqa: E402
-from events import LoadersReady, RunStarted, StepCommitted, open_log, read_log  # noqa: E402
-from states import replay  # noqa: E402
+from sft_runtime.events import LoadersReady, RunStarted, StepCommitted, open_log, read_log  # noqa: E402
+from sft_runtime.states import replay  # noqa: E402
 
 
 def _step(step: int) -> StepCommitted:

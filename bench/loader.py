@@ -19,9 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.table import Row, render  # noqa: E402
-from runtime.data.config import LoaderSpec  # noqa: E402
-from runtime.data.demo import build_demo_dataset  # noqa: E402
-from runtime.data.loader import ColocatedLoader  # noqa: E402
+from sft_runtime.runtime.data.config import LoaderSpec  # noqa: E402
+from sft_runtime.runtime.data.demo import build_demo_dataset  # noqa: E402
+from sft_runtime.runtime.data.loader import ColocatedLoader  # noqa: E402
 
 BATCH = 32
 SEQ = 256
@@ -44,8 +44,8 @@ def _plain_energon(spec: LoaderSpec, batches: int) -> float:
     """samples/s of a bare energon loop over the same data set and task encoder."""
     from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
-    from runtime.data.task_encoder import SFTTaskEncoder
-    from runtime.data.tokenizer import build_tokenizer
+    from sft_runtime.runtime.data.task_encoder import SFTTaskEncoder
+    from sft_runtime.runtime.data.tokenizer import build_tokenizer
 
     encoder = SFTTaskEncoder(
         build_tokenizer(spec.tokenizer),

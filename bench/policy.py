@@ -50,7 +50,7 @@ def _sources():
 
 
 def _configs():
-    from runtime.policy.config import ClusterConfig, ModelConfig, PolicyConfig
+    from sft_runtime.runtime.policy.config import ClusterConfig, ModelConfig, PolicyConfig
 
     policy = PolicyConfig(
         model=ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ_LEN),
@@ -74,8 +74,8 @@ class _PlainLoop:
     def __init__(self, rank: int, port: int) -> None:
         import torch.distributed as dist
 
-        from runtime.policy.loss import NLLLossFn
-        from runtime.policy.model import build_model
+        from sft_runtime.runtime.policy.loss import NLLLossFn
+        from sft_runtime.runtime.policy.model import build_model
 
         torch.set_num_threads(1)
         self.dist = dist
@@ -96,7 +96,7 @@ class _PlainLoop:
 
     def step(self) -> tuple[float, float, float]:
         """One step; (seconds, forward/backward seconds, loss)."""
-        from runtime.policy.schedule import lr_at
+        from sft_runtime.runtime.policy.schedule import lr_at
 
         dist, fn, params = self.dist, self.fn, self.params
         t0 = time.perf_counter()
@@ -190,8 +190,8 @@ class _Group:
         import ray
         from ray import cloudpickle
 
-        from runtime.policy.group import PolicyWorkerGroup
-        from runtime.policy.loss import NLLLossFn
+        from sft_runtime.runtime.policy.group import PolicyWorkerGroup
+        from sft_runtime.runtime.policy.loss import NLLLossFn
 
         self.ray = ray
         self.started = not ray.is_initialized()

@@ -122,21 +122,21 @@ def raw_config(
 
 
 def master_config(raw: dict):
-    from runtime.config import validate_config
+    from sft_runtime.runtime.config import validate_config
 
     return validate_config(raw)
 
 
 def loader_specs(config, world: int) -> list:
     """The LoaderSpec and logical rank of every DP rank, exactly as the controller builds them."""
-    from runtime.config import loader_spec
+    from sft_runtime.runtime.config import loader_spec
 
     spec = loader_spec(config, world)
     return [spec] * world
 
 
 def placement_hash(world: int) -> str:
-    from runtime.data.placement import build_placement_plan
+    from sft_runtime.runtime.data.placement import build_placement_plan
 
     axes = {
         "data_parallel": world,
@@ -156,8 +156,8 @@ class PlainLoop:
         import torch
         import torch.distributed as dist
 
-        from runtime.policy.loss import NLLLossFn
-        from runtime.policy.model import build_model
+        from sft_runtime.runtime.policy.loss import NLLLossFn
+        from sft_runtime.runtime.policy.model import build_model
 
         self.torch, self.dist, self.job = torch, dist, job
         rank, world = job["rank"], job["world"]
@@ -186,7 +186,7 @@ class PlainLoop:
         if job["batches"]:
             self.batches = torch.load(job["batches"], weights_only=False)[rank]
         else:
-            from runtime.data.loader import ColocatedLoader
+            from sft_runtime.runtime.data.loader import ColocatedLoader
 
             spec = loader_specs(config, world)[rank]
             self.loader = ColocatedLoader(spec, rank, world, placement_hash(world))
@@ -199,7 +199,7 @@ class PlainLoop:
         return self.loader.active_batch
 
     def step(self, step: int) -> float:
-        from runtime.policy.schedule import lr_at
+        from sft_runtime.runtime.policy.schedule import lr_at
 
         torch, dist, fn = self.torch, self.dist, self.fn
         batch = self._batch(step)
@@ -278,7 +278,7 @@ def pretokenize(raw: dict, world: int, steps: int, out: Path) -> Path:
     """The first `steps` batches of every rank's loader stream, saved for the plain loop."""
     import torch
 
-    from runtime.data.loader import ColocatedLoader
+    from sft_runtime.runtime.data.loader import ColocatedLoader
 
     config = master_config(raw)
     per_rank = []
@@ -298,14 +298,14 @@ def pretokenize(raw: dict, world: int, steps: int, out: Path) -> Path:
 
 # ------------------------------------------------------------------ sft-runtime
 def committed(run_dir: Path) -> list:
-    from events import read_log, records_in_effect
+    from sft_runtime.events import read_log, records_in_effect
 
     return [r for r in records_in_effect(read_log(run_dir)) if r.type == "step_committed"]
 
 
 def runtime_run(raw: dict) -> dict:
     """One sft-runtime run in this process (Ray started here); step end times and losses."""
-    from runtime.driver import run_training
+    from sft_runtime.runtime.launch.driver import run_training
 
     run_training(master_config(raw))
     records = committed(Path(raw["logger"]["log_dir"]))
@@ -441,7 +441,7 @@ PARTS = ("overhead", "prefetch", "scaling", "resume")
 def run(parts: tuple[str, ...] = PARTS) -> list[dict]:
     import ray
 
-    from runtime.data.demo import build_demo_dataset
+    from sft_runtime.runtime.data.demo import build_demo_dataset
 
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     tmp = Path(tempfile.mkdtemp(prefix="bench-step-"))

@@ -32,10 +32,10 @@ WORK_S = 0.040
 
 def _child(mode: str, steps: int, spans: int) -> dict:
     """One configuration, measured in this (fresh) process."""
-    from traces.config import TelemetryConfig
-    from traces.context import TRACER, inject_carrier
-    from traces.setup import setup_telemetry
-    from traces.spans import set_attributes_lazily, step_span, traced
+    from sft_runtime.traces.config import TelemetryConfig
+    from sft_runtime.traces.context import TRACER, inject_carrier
+    from sft_runtime.traces.setup import setup_telemetry
+    from sft_runtime.traces.spans import set_attributes_lazily, step_span, traced
 
     run_dir = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
     cfg = TelemetryConfig(enabled=True, exporters=["jaeger_file"]) if mode == "on" else None

@@ -3,8 +3,8 @@
 Nothing here imports ray or torch: a log can be read, verified and replayed on a laptop.
 """
 
-from events.errors import EventLogCorrupted, EventLogError, EventLogLocked, LineageError
-from events.lineage import (
+from sft_runtime.events.errors import EventLogCorrupted, EventLogError, EventLogLocked, LineageError
+from sft_runtime.events.lineage import (
     Attempt,
     Divergence,
     History,
@@ -13,9 +13,9 @@ from events.lineage import (
     history,
     records_in_effect,
 )
-from events.log import EventLog, open_log, read_log
-from events.record import Record
-from events.schemas import (
+from sft_runtime.events.log import EventLog, open_log, read_log
+from sft_runtime.events.record import Record
+from sft_runtime.events.schemas import (
     EVENT_TYPES,
     CheckpointSaved,
     EventPayload,

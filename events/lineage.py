@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from events.errors import LineageError
-from events.log import EventLog, LogReader, read_log
-from events.record import Record
+from sft_runtime.events.errors import LineageError
+from sft_runtime.events.log import EventLog, LogReader, read_log
+from sft_runtime.events.record import Record
 
 LogLike = str | Path | EventLog | LogReader | Iterable[Record]
 _STEP_TYPES = ("step_committed", "checkpoint_saved")

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import orjson
 
-from events.errors import EventLogError, EventLogLocked
-from events.record import _SUFFIX_LEN, Record, encode
-from events.scan import ScanState, scan_lines
-from events.schemas import EventPayload, LogRepaired
+from sft_runtime.events.errors import EventLogError, EventLogLocked
+from sft_runtime.events.record import _SUFFIX_LEN, Record, encode
+from sft_runtime.events.scan import ScanState, scan_lines
+from sft_runtime.events.schemas import EventPayload, LogRepaired
 
 _RUN_STARTED = b'"type":"run_started"'
 LOG_NAME = "events.jsonl"

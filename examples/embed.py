@@ -10,11 +10,11 @@ from pathlib import Path
 
 import ray
 
-from events import history, read_log
-from runtime.data.demo import build_demo_dataset
-from runtime.demo import demo_config
-from runtime.sft_v2 import SFTSingleControllerActor, setup_sft_v2
-from states import replay
+from sft_runtime.events import history, read_log
+from sft_runtime.runtime.cli.demo import demo_config
+from sft_runtime.runtime.data.demo import build_demo_dataset
+from sft_runtime.sft_v2 import SFTSingleControllerActor, setup_sft_v2
+from sft_runtime.states import replay
 
 
 def main(run_dir: Path) -> None:

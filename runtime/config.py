@@ -16,13 +16,18 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from runtime.checkpoints import CheckpointDir
-from runtime.data.config import DataConfig, LoaderSpec, SequencePackingConfig, build_loader_spec
-from runtime.data.tokenizer import TokenizerSpec
-from runtime.errors import UserInputError
-from runtime.policy.config import ClusterConfig, PolicyConfig
-from states import StepRules
-from traces.config import TelemetryConfig
+from sft_runtime.runtime.checkpoint.store import CheckpointDir
+from sft_runtime.runtime.data.config import (
+    DataConfig,
+    LoaderSpec,
+    SequencePackingConfig,
+    build_loader_spec,
+)
+from sft_runtime.runtime.data.tokenizer import TokenizerSpec
+from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
+from sft_runtime.states import StepRules
+from sft_runtime.traces.config import TelemetryConfig
 
 _Strict = ConfigDict(extra="forbid")
 _DEADLINE = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")

@@ -5,15 +5,9 @@ from __future__ import annotations
 import ray
 
 # The private seed names are re-exported here for the specification's tests.
-from runtime.config import MasterConfig, _max_train_steps  # noqa: F401
-from runtime.controller import SFTController
-from runtime.setup import (  # noqa: F401
-    SFTV2ActorArgs,
-    _initial_save_state,
-    _restore_save_state,
-    setup_sft_v2,
-)
-from runtime.step_metrics import (  # noqa: F401
+from sft_runtime.runtime.config import MasterConfig, _max_train_steps  # noqa: F401
+from sft_runtime.runtime.controller.loop import SFTController
+from sft_runtime.runtime.controller.metrics import (  # noqa: F401
     LOADER_LATENCY_MAX_KEY,
     POLICY_TIME_KEY,
     SFT_V2_TEED_METRICS,
@@ -21,7 +15,13 @@ from runtime.step_metrics import (  # noqa: F401
     VALID_TOKENS_PER_SECOND_KEY,
     TeedMetric,
 )
-from states import SFTV2SaveState
+from sft_runtime.runtime.launch.setup import (  # noqa: F401
+    SFTV2ActorArgs,
+    _initial_save_state,
+    _restore_save_state,
+    setup_sft_v2,
+)
+from sft_runtime.states import SFTV2SaveState
 
 # Threaded (max_concurrency=2) so that `request_stop` reaches a controller busy in `run`.
 SFTSingleControllerActor = ray.remote(num_cpus=0, max_concurrency=2, max_restarts=0)(SFTController)

@@ -3,9 +3,15 @@
 Depends on `events/` only; never imports ray or torch.
 """
 
-from states.machine import STATES, TRANSITIONS, ControllerModel, ControllerState, build_machine
-from states.rules import StepRules
-from states.save_state import SFTV2SaveState, apply, initial_save_state, replay
+from sft_runtime.states.machine import (
+    STATES,
+    TRANSITIONS,
+    ControllerModel,
+    ControllerState,
+    build_machine,
+)
+from sft_runtime.states.rules import StepRules
+from sft_runtime.states.save_state import SFTV2SaveState, apply, initial_save_state, replay
 
 __all__ = [
     "STATES",

@@ -5,8 +5,9 @@ guards (from `StepRules`) pick the branch, and the callbacks named in the table 
 events and fold them into the save state. There are no side doors: auto transitions are
 off and a trigger that is not in the table for the current state raises `MachineError`.
 
-Guards of ``commit`` look at the save state the step *would* produce, because transitions
-evaluates conditions before the callback that records the step.
+Guards look at ``next_state``: the save state a trigger *would* produce. transitions
+evaluates conditions before the callback that records the step, so the machine's
+``prepare_event`` computes it once per trigger, with the same handler the fold uses.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from transitions import EventData, Machine
 
-from events.log import EventLog
-from events.schemas import EventPayload, LogRepaired, RunStopped, StepAborted
-from states.rules import StepRules
-from states.save_state import SFTV2SaveState, apply, initial_save_state, step_committed
+from sft_runtime.events.log import EventLog
+from sft_runtime.events.schemas import EventPayload, LogRepaired, RunStopped, StepAborted
+from sft_runtime.states.rules import StepRules
+from sft_runtime.states.save_state import HANDLERS, SFTV2SaveState, apply, initial_save_state
 
 
 class ControllerState(Enum):
@@ -101,7 +102,6 @@ class ControllerModel:
         def saved(self, *, event: EventPayload) -> bool: ...
         def close(self) -> bool: ...
         def finish(self, *, reason: str, error: str | None = None) -> bool: ...
-        def may_halt(self) -> bool: ...
 
         state: ControllerState
 
@@ -119,29 +119,27 @@ class ControllerModel:
         self.clock = clock
         self.stop_requested = False
         self.last_saved_step = self.save_state.total_steps  # a resume starts from a checkpoint
+        self.next_state = self.save_state  # what the trigger being fired would make of it
         self.machine = build_machine(self)
 
     # -- guards ---------------------------------------------------------------------------
-    def _prospective(self, event: EventData) -> SFTV2SaveState:
+    def prepare_next_state(self, event: EventData) -> None:
+        """Before any guard of a trigger: the save state its event would fold to."""
         payload = event.kwargs.get("event")
-        if payload is None or payload.event_type != "step_committed":
-            return self.save_state
-        cached = getattr(event, "_next_save_state", None)
-        if cached is None:
-            cached = step_committed(self.save_state, payload.model_dump())
-            event._next_save_state = cached
-        return cached
+        handler = None if payload is None else HANDLERS.get(payload.event_type)
+        self.next_state = (
+            self.save_state if handler is None else handler(self.save_state, payload.model_dump())
+        )
 
     def unsaved_steps(self, event: EventData) -> bool:
         """Steps committed since the last checkpoint (a stop between steps saves them)."""
         return self.rules.checkpointing and self.save_state.total_steps > self.last_saved_step
 
     def save_due(self, event: EventData) -> bool:
-        state = self._prospective(event)
-        return self.rules.save_due(state, now=self.clock(), stopping=self.stop_requested)
+        return self.rules.save_due(self.next_state, now=self.clock(), stopping=self.stop_requested)
 
     def should_stop(self, event: EventData) -> bool:
-        state = self._prospective(event)
+        state = self.next_state
         return self.rules.should_stop(state, now=self.clock(), stopping=self.stop_requested)
 
     # -- callbacks: the only places events are appended -----------------------------------
@@ -149,8 +147,8 @@ class ControllerModel:
         if self.log is not None:
             record = self.log.append(payload)
             self.save_state = apply(self.save_state, record)
-        elif payload.event_type == "step_committed":
-            self.save_state = step_committed(self.save_state, payload.model_dump())
+        else:  # nothing recorded: the same fold, from the payload itself
+            self.save_state = self.next_state
 
     def record(self, event: EventData) -> None:
         payload = event.kwargs["event"]
@@ -196,6 +194,7 @@ def build_machine(model: ControllerModel) -> Machine:
         transitions=TRANSITIONS,
         initial=ControllerState.setup,
         auto_transitions=False,
+        prepare_event="prepare_next_state",
         send_event=True,
         queued=False,
     )

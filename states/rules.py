@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from states.save_state import SFTV2SaveState
+from sft_runtime.states.save_state import SFTV2SaveState
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from events.errors import LineageError
-from events.lineage import LogLike, records_in_effect
-from events.record import Record
+from sft_runtime.events.errors import LineageError
+from sft_runtime.events.lineage import LogLike, records_in_effect
+from sft_runtime.events.record import Record
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,25 +49,30 @@ def initial_save_state(placement_hash: str = "") -> SFTV2SaveState:
     return SFTV2SaveState(placement_hash=placement_hash)
 
 
-def _run_started(state: SFTV2SaveState, data: dict[str, Any]) -> SFTV2SaveState:
+# One handler per event type that moves the save state: (state, payload data) -> state.
+# `apply`, `replay` and the controller's machine all fold through these.
+def run_started(state: SFTV2SaveState, data: dict[str, Any]) -> SFTV2SaveState:
     return SFTV2SaveState(
         state.total_steps, state.consumed_samples, state.total_valid_tokens, data["placement_hash"]
     )
 
 
-def step_committed(state: SFTV2SaveState, data: dict[str, Any]) -> SFTV2SaveState:
+def next_counters(counters: tuple[int, int, int], data: dict[str, Any]) -> tuple[int, int, int]:
+    """(steps, samples, tokens) after one ``step_committed``: the step-order rule lives here
+    alone (a step follows the last one, nothing is skipped or repeated)."""
+    steps, samples, tokens = counters
     step = data["step"]
-    if step != state.total_steps + 1:
-        raise ValueError(f"step {step} cannot follow total_steps {state.total_steps}")
-    return SFTV2SaveState(
-        step,
-        state.consumed_samples + data["source_samples"],
-        state.total_valid_tokens + data["valid_tokens"],
-        state.placement_hash,
-    )
+    if step != steps + 1:
+        raise ValueError(f"step {step} cannot follow total_steps {steps}")
+    return step, samples + data["source_samples"], tokens + data["valid_tokens"]
 
 
-def _checkpoint_saved(state: SFTV2SaveState, data: dict[str, Any]) -> SFTV2SaveState:
+def step_committed(state: SFTV2SaveState, data: dict[str, Any]) -> SFTV2SaveState:
+    counters = (state.total_steps, state.consumed_samples, state.total_valid_tokens)
+    return SFTV2SaveState(*next_counters(counters, data), state.placement_hash)
+
+
+def checkpoint_saved(state: SFTV2SaveState, data: dict[str, Any]) -> SFTV2SaveState:
     saved = (data["total_steps"], data["consumed_samples"], data["total_valid_tokens"])
     folded = (state.total_steps, state.consumed_samples, state.total_valid_tokens)
     if saved != folded:
@@ -78,52 +83,45 @@ def _checkpoint_saved(state: SFTV2SaveState, data: dict[str, Any]) -> SFTV2SaveS
     return state
 
 
-_HANDLERS: dict[str, Callable[[SFTV2SaveState, dict[str, Any]], SFTV2SaveState]] = {
-    "run_started": _run_started,
+HANDLERS: dict[str, Callable[[SFTV2SaveState, dict[str, Any]], SFTV2SaveState]] = {
+    "run_started": run_started,
     "step_committed": step_committed,
-    "checkpoint_saved": _checkpoint_saved,
+    "checkpoint_saved": checkpoint_saved,
 }
 
 
 def apply(state: SFTV2SaveState, record: Record) -> SFTV2SaveState:
     """Fold one record into the save state; types that do not move it leave it as is."""
-    handler = _HANDLERS.get(record.type)
+    handler = HANDLERS.get(record.type)
     return state if handler is None else handler(state, record.data)
 
 
 def replay(log: LogLike, until_step: int | None = None) -> SFTV2SaveState:
     """The save state after the records in effect, stopping after step ``until_step``.
 
-    Equal to folding `apply` over `records_in_effect` (a test holds it to that); the
-    counters of step_committed records, nearly every line of a log, are summed inline
-    because the fold is the cost of every resume.
+    The same fold as `apply` over `records_in_effect` (a property test holds them equal):
+    ``step_committed``, nearly every line of a log and the cost of every resume, keeps its
+    counters as plain integers between records (`next_counters`, the handler's own rule)
+    instead of building a save state per line; every other type goes through `HANDLERS`.
     Raises `events.LineageError` (naming the line) when a record cannot be folded.
     """
-    state = initial_save_state()
-    steps, samples, tokens = 0, 0, 0
+    placement = ""
+    counters = (0, 0, 0)
     stop = math.inf if until_step is None else until_step
     rec = None
     try:
         for rec in records_in_effect(log):
             if rec.type == "step_committed":
-                data = rec.data
-                step = data["step"]
-                if step > stop:
+                if rec.data["step"] > stop:
                     break
-                if step != steps + 1:
-                    raise ValueError(f"step {step} cannot follow total_steps {steps}")
-                steps, samples, tokens = (
-                    steps + 1,
-                    samples + data["source_samples"],
-                    tokens + data["valid_tokens"],
-                )
-            elif rec.type in _HANDLERS:
-                state = SFTV2SaveState(steps, samples, tokens, state.placement_hash)
-                state = _HANDLERS[rec.type](state, rec.data)
+                counters = next_counters(counters, rec.data)
+            elif rec.type in HANDLERS:
+                state = HANDLERS[rec.type](SFTV2SaveState(*counters, placement), rec.data)
+                placement = state.placement_hash
     except ValueError as exc:
         if rec is None:
             raise
         raise LineageError(getattr(log, "path", str(log)), rec.line, str(exc)) from None
-    if until_step is not None and steps < until_step:
-        raise ValueError(f"the log ends at step {steps}, before step {until_step}")
-    return SFTV2SaveState(steps, samples, tokens, state.placement_hash)
+    if until_step is not None and counters[0] < until_step:
+        raise ValueError(f"the log ends at step {counters[0]}, before step {until_step}")
+    return SFTV2SaveState(*counters, placement)

@@ -9,18 +9,18 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from traces.context import TRACER, TRACER_NAME, attached, inject_carrier, span_ids
+from sft_runtime.traces.context import TRACER, TRACER_NAME, attached, inject_carrier, span_ids
 
 _LAZY = {
-    "Telemetry": "traces.setup",
-    "setup_telemetry": "traces.setup",
-    "active_telemetry": "traces.setup",
-    "TelemetryConfig": "traces.config",
-    "merge_trace_files": "traces.merge",
-    "StepInstruments": "traces.metrics",
-    "step_span": "traces.spans",
-    "traced": "traces.spans",
-    "record_error": "traces.spans",
+    "Telemetry": "sft_runtime.traces.setup",
+    "setup_telemetry": "sft_runtime.traces.setup",
+    "active_telemetry": "sft_runtime.traces.setup",
+    "TelemetryConfig": "sft_runtime.traces.config",
+    "merge_trace_files": "sft_runtime.traces.merge",
+    "StepInstruments": "sft_runtime.traces.metrics",
+    "step_span": "sft_runtime.traces.spans",
+    "traced": "sft_runtime.traces.spans",
+    "record_error": "sft_runtime.traces.spans",
 }
 
 __all__ = ["TRACER", "TRACER_NAME", "attached", "inject_carrier", "span_ids", *_LAZY]

@@ -21,7 +21,13 @@ import orjson
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from traces.jaeger_json import PARTS_DIR, part_file_name, span_to_jaeger, tags, trace_dir
+from sft_runtime.traces.jaeger_json import (
+    PARTS_DIR,
+    part_file_name,
+    span_to_jaeger,
+    tags,
+    trace_dir,
+)
 
 
 class JaegerFileExporter(SpanExporter):

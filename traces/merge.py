@@ -26,7 +26,7 @@ from typing import IO, Any
 
 import orjson
 
-from traces.jaeger_json import (
+from sft_runtime.traces.jaeger_json import (
     attempt_of,
     build_traces,
     merged_name,

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from opentelemetry import metrics
 
-from traces.context import TRACER_NAME
+from sft_runtime.traces.context import TRACER_NAME
 
 # Seconds: 1 ms .. 10 min, roughly 1-2.5-5 per decade.
 SECONDS_BUCKETS: tuple[float, ...] = (

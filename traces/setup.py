@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from traces.config import TelemetryConfig
+from sft_runtime.traces.config import TelemetryConfig
 
 _LOCK = threading.Lock()
 _ACTIVE: Telemetry | None = None
@@ -274,7 +274,7 @@ def _span_exporter(
                 stacklevel=4,
             )
             return None
-        from traces.jaeger_file import JaegerFileExporter
+        from sft_runtime.traces.jaeger_file import JaegerFileExporter
 
         return JaegerFileExporter(
             run_dir,

@@ -30,7 +30,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode
 
-from traces.context import TRACER, attached
+from sft_runtime.traces.context import TRACER, attached
 
 DRIVER_SPAN = "rl.sft_v2.driver"
 JOB_SPAN = "rl.sft_v2.job"

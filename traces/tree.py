@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from traces.jaeger_json import (
+from sft_runtime.traces.jaeger_json import (
     MERGED_GLOB,
     TraceFileError,
     build_traces,

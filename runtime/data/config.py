@@ -20,9 +20,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from runtime.data.packing import PACKING_ALGORITHMS
-from runtime.data.tokenizer import TokenizerSpec
-from runtime.errors import UserInputError
+from sft_runtime.runtime.data.packing import PACKING_ALGORITHMS
+from sft_runtime.runtime.data.tokenizer import TokenizerSpec
+from sft_runtime.runtime.errors import UserInputError
 
 TokenizerConfig = TokenizerSpec
 """The ``tokenizer`` section: ``name: byte`` (default) or ``name: huggingface, path: DIR``."""

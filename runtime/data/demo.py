@@ -11,7 +11,12 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from runtime.data.prepare import energon_prepare, ensure_empty_out_dir, sample_key, write_shards
+from sft_runtime.runtime.data.prepare import (
+    energon_prepare,
+    ensure_empty_out_dir,
+    sample_key,
+    write_shards,
+)
 
 _WORDS = (
     "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "

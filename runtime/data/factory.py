@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.data.config import LoaderSpec
+from sft_runtime.runtime.data.config import LoaderSpec
 
 
 def build_colocated_loader(
     spec: LoaderSpec, logical_rank: int, logical_world_size: int, placement_hash: str
 ) -> Any:
     """A `ColocatedLoader` for one logical DP rank (called inside the owning worker)."""
-    from runtime.data.loader import ColocatedLoader
+    from sft_runtime.runtime.data.loader import ColocatedLoader
 
     return ColocatedLoader(spec, logical_rank, logical_world_size, placement_hash)

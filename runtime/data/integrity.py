@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from runtime.errors import UserInputError
+from sft_runtime.runtime.errors import UserInputError
 
 
 class DataSetError(UserInputError):
@@ -90,3 +90,24 @@ def explain_load_error(data_path: Path, split: str, exc: BaseException) -> DataS
             "samples; the data set is too small for the data-parallel size"
         )
     return None
+
+
+#: The sample type's module in data sets prepared before the `sft_runtime` namespace.
+_OLD_SAMPLE_MODULE = "runtime.data.sample"
+
+
+def check_sample_type(data_path: Path) -> None:
+    """A data set whose ``dataset.yaml`` names the sample type by its pre-namespace module
+    would fail inside energon with an import error; say which file and line to change."""
+    meta = data_path / ".nv-meta" / "dataset.yaml"
+    try:
+        spec = yaml.safe_load(meta.read_text())
+        module = spec["sample_type"]["__module__"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return  # not ours to judge: energon reports its own format errors
+    if module == _OLD_SAMPLE_MODULE:
+        raise DataSetError(
+            f"{meta}: sample_type.__module__ is {module!r}, the module's name before "
+            "sft-runtime installed under the `sft_runtime` namespace; change it to "
+            f"'sft_runtime.{module}' (or prepare the data set again)"
+        )

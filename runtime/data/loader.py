@@ -22,11 +22,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from runtime.data.batch import SFTBatch, StepEnvelope
-from runtime.data.config import LoaderSpec
-from runtime.data.integrity import DataSetError, check_enough_samples, explain_load_error
-from runtime.data.tokenizer import build_tokenizer
-from runtime.errors import UserInputError
+from sft_runtime.runtime.data.batch import SFTBatch, StepEnvelope
+from sft_runtime.runtime.data.config import LoaderSpec
+from sft_runtime.runtime.data.integrity import (
+    DataSetError,
+    check_enough_samples,
+    explain_load_error,
+)
+from sft_runtime.runtime.data.tokenizer import build_tokenizer
+from sft_runtime.runtime.errors import UserInputError
 
 STATE_FORMAT = "sft_v2_colocated_loader"
 STATE_VERSION = 1
@@ -182,7 +186,7 @@ class ColocatedLoader:
             reraise_exception,
         )
 
-        from runtime.data.task_encoder import SFTTaskEncoder
+        from sft_runtime.runtime.data.task_encoder import SFTTaskEncoder
 
         spec = self.spec
         worker_config = WorkerConfig(

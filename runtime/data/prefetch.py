@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.data.batch import SFTBatch, StepEnvelope
+from sft_runtime.runtime.data.batch import SFTBatch, StepEnvelope
 
 CLOSE_JOIN_TIMEOUT_S = 60.0
 ENERGON_LOCK = threading.RLock()

@@ -2,7 +2,8 @@
 
 Every line is validated before a single shard is written, so a bad file never leaves a half
 prepared data set behind. Samples are stored as a ``json`` part holding the normalized
-``{"messages": [...]}``, mapped by ``dataset.yaml`` onto `runtime.data.sample.ChatSample`.
+``{"messages": [...]}``, mapped by ``dataset.yaml`` onto
+`sft_runtime.runtime.data.sample.ChatSample`.
 The train/val split is decided per sample (seeded), and each split gets its own shard
 files, because energon's ``--split-ratio`` splits whole shards and would give an empty or
 oversized val split for small inputs; energon's own preparation then indexes the shards
@@ -20,12 +21,12 @@ from pathlib import Path
 
 import orjson
 
-from runtime.data.records import BadRecordError, parse_line
-from runtime.errors import UserInputError
+from sft_runtime.runtime.data.records import BadRecordError, parse_line
+from sft_runtime.runtime.errors import UserInputError
 
 DATASET_YAML = """\
 sample_type:
-  __module__: runtime.data.sample
+  __module__: sft_runtime.runtime.data.sample
   __class__: ChatSample
 field_map:
   messages: json[messages]

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from runtime.errors import UserInputError
+from sft_runtime.runtime.errors import UserInputError
 
 ROLES = ("system", "user", "assistant")
 

@@ -18,10 +18,10 @@ import torch
 from megatron.energon import Sample, SkipSample, TaskEncoder, WorkerConfig, edataclass, stateless
 from megatron.energon.rng import SystemRng
 
-from runtime.data.batch import SFTBatch
-from runtime.data.packing import plan_bins
-from runtime.data.sample import ChatSample
-from runtime.data.tokenizer import ChatTokenizer, apply_chat_template
+from sft_runtime.runtime.data.batch import SFTBatch
+from sft_runtime.runtime.data.packing import plan_bins
+from sft_runtime.runtime.data.sample import ChatSample
+from sft_runtime.runtime.data.tokenizer import ChatTokenizer, apply_chat_template
 
 
 @edataclass

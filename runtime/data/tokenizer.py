@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from runtime.errors import UserInputError
+from sft_runtime.runtime.errors import UserInputError
 
 
 class TokenizerSpec(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from runtime.errors import UserInputError
+from sft_runtime.runtime.errors import UserInputError
 
 _Strict = ConfigDict(extra="forbid")
 

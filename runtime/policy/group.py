@@ -21,11 +21,19 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from runtime.data.batch import BatchSource, StepEnvelope
-from runtime.errors import PeerStepError, UserInputError
-from runtime.faults import actor_fault_options
-from runtime.policy.cluster import create_placement_group, remove_placement_group_quietly
-from runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout, parse_section
+from sft_runtime.runtime.controller.faults import actor_fault_options
+from sft_runtime.runtime.data.batch import BatchSource, StepEnvelope
+from sft_runtime.runtime.errors import PeerStepError, UserInputError
+from sft_runtime.runtime.policy.cluster import (
+    create_placement_group,
+    remove_placement_group_quietly,
+)
+from sft_runtime.runtime.policy.config import (
+    ClusterConfig,
+    PolicyConfig,
+    check_batch_layout,
+    parse_section,
+)
 
 Ranks = Literal["all", "owners"] | Sequence[int]
 
@@ -353,6 +361,6 @@ def _is_peer(exc: BaseException) -> bool:
 def _worker_class() -> Any:
     """The actor class, imported on first use: unpickling a group (in the controller) then
     needs no torch."""
-    from runtime.policy.worker import PolicyWorker
+    from sft_runtime.runtime.policy.worker import PolicyWorker
 
     return PolicyWorker

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.data.batch import SFTBatch
+from sft_runtime.runtime.data.batch import SFTBatch
 
 if TYPE_CHECKING:  # imported where the loss runs (the workers), not where it is built
     import torch

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.policy.config import ModelConfig
+from sft_runtime.runtime.policy.config import ModelConfig
 
 
 def attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:

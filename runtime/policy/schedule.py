@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from runtime.policy.config import SchedulerConfig
+from sft_runtime.runtime.policy.config import SchedulerConfig
 
 
 def lr_at(step: int, base_lr: float, cfg: SchedulerConfig) -> float:

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.data.batch import SFTBatch
-from runtime.errors import PeerStepError
-from runtime.policy.config import PolicyConfig
-from runtime.policy.loss import NLLLossFn
-from runtime.policy.model import build_model
-from runtime.policy.schedule import lr_at
-from traces.context import TRACER
+from sft_runtime.runtime.data.batch import SFTBatch
+from sft_runtime.runtime.errors import PeerStepError
+from sft_runtime.runtime.policy.config import PolicyConfig
+from sft_runtime.runtime.policy.loss import NLLLossFn
+from sft_runtime.runtime.policy.model import build_model
+from sft_runtime.runtime.policy.schedule import lr_at
+from sft_runtime.traces.context import TRACER
 
 CHECKPOINT_FORMAT = 1
 

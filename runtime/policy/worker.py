@@ -36,13 +36,13 @@ import ray
 import torch
 import torch.distributed as dist
 
-from runtime.data.batch import BatchSource, StepEnvelope
-from runtime.errors import UserInputError
-from runtime.faults import fault_point
-from runtime.policy.config import ClusterConfig, PolicyConfig
-from runtime.policy.trainer import DPTrainer
-from runtime.policy.worker_state import WorkerStateMixin
-from traces.spans import traced
+from sft_runtime.runtime.controller.faults import fault_point
+from sft_runtime.runtime.data.batch import BatchSource, StepEnvelope
+from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
+from sft_runtime.runtime.policy.trainer import DPTrainer
+from sft_runtime.runtime.policy.worker_state import WorkerStateMixin
+from sft_runtime.traces.spans import traced
 
 
 class PolicyWorkerBase(WorkerStateMixin):
@@ -107,7 +107,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         self, config: Any, run_dir: str | None, attempt: int | None = None, **_: Any
     ) -> bool:
         """Install this process's exporters (once per process; no-op when disabled)."""
-        from traces.setup import setup_telemetry
+        from sft_runtime.traces.setup import setup_telemetry
 
         self._telemetry = setup_telemetry(
             config, role="worker", rank=self.rank, attempt=attempt, run_dir=run_dir
@@ -150,12 +150,12 @@ class PolicyWorkerBase(WorkerStateMixin):
         if self._loader is not None:
             raise RuntimeError(f"rank {self.rank}: the SFT dataloader is already set up")
         if prefetch_depth > 1:
-            from runtime.data.prefetch import PrefetchingLoader
+            from sft_runtime.runtime.data.prefetch import PrefetchingLoader
 
             loader = PrefetchingLoader(factory, prefetch_depth)
         else:
             loader = factory()
-        from runtime.data.safe_pickle import load_loader_state
+        from sft_runtime.runtime.checkpoint.loader_states import load_loader_state
 
         loader.setup(load_loader_state(restored_state))
         self._loader = loader
@@ -178,7 +178,7 @@ class PolicyWorkerBase(WorkerStateMixin):
 
     def sft_dataloader_state_bytes(self, *, _otel_carrier: dict | None = None) -> bytes:
         """The state, pickled here: the controller writes it without unpickling it."""
-        from runtime.data.safe_pickle import dump_loader_state
+        from sft_runtime.runtime.checkpoint.loader_states import dump_loader_state
 
         return dump_loader_state(self._require_loader().state_dict())
 

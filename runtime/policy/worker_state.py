@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from runtime.policy import checkpoint as ckpt
+from sft_runtime.runtime.checkpoint import policy_files as ckpt
 
 
 class WorkerStateMixin:

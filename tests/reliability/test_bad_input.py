@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from reliability_harness import (
+
+from sft_runtime.events import read_log
+from tests.support.reliability import (
     BIN,
     STEPS,
     compare,
@@ -23,9 +25,7 @@ from reliability_harness import (
     train,
     verify,
 )
-from small_run import small_config, small_raw
-
-from events import read_log
+from tests.support.small_run import small_config, small_raw
 
 
 def _bad_data_copy(src: Path, dest: Path) -> Path:
@@ -42,10 +42,10 @@ def _bad_data_copy(src: Path, dest: Path) -> Path:
         ("policy.train_micro_batch_size=three", "policy.train_micro_batch_size"),
     ],
 )
-def test_invalid_config_values_and_unknown_keys(override, named, reliability_data, tmp_path):
+def test_invalid_config_values_and_unknown_keys(override, named, demo_data, tmp_path):
     config = tmp_path / "config.yaml"
     run_dir = tmp_path / "run"
-    config.write_text(yaml.safe_dump(small_raw(run_dir, reliability_data, STEPS)))
+    config.write_text(yaml.safe_dump(small_raw(run_dir, demo_data, STEPS)))
     done = subprocess.run(
         [str(BIN), "train", str(config), override, "--run-dir", str(run_dir)],
         capture_output=True,
@@ -59,31 +59,31 @@ def test_invalid_config_values_and_unknown_keys(override, named, reliability_dat
 
 
 # ------------------------------------------------------------------------------ data sets
-def test_a_missing_data_set(reliability_data, tmp_path, capsys):
+def test_a_missing_data_set(demo_data, tmp_path, capsys):
     missing = tmp_path / "nowhere"
-    rc, out = train(tmp_path / "run", reliability_data, capsys, f"data.train.path={missing}")
+    rc, out = train(tmp_path / "run", demo_data, capsys, f"data.train.path={missing}")
     assert rc == 2, out
     assert f"data.train.path {str(missing)!r} is not a prepared energon data set" in out
 
 
-def test_an_empty_data_set_directory(reliability_data, tmp_path, capsys):
+def test_an_empty_data_set_directory(demo_data, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    rc, out = train(tmp_path / "run", reliability_data, capsys, f"data.train.path={empty}")
+    rc, out = train(tmp_path / "run", demo_data, capsys, f"data.train.path={empty}")
     assert rc == 2, out
     assert f"data.train.path {str(empty)!r} is not a prepared energon data set" in out
 
 
-def test_a_data_set_with_empty_metadata(ray_session, reliability_data, tmp_path, capsys):
+def test_a_data_set_with_empty_metadata(ray_session, demo_data, tmp_path, capsys):
     empty = tmp_path / "empty_meta"
     (empty / ".nv-meta").mkdir(parents=True)
-    rc, out = train(tmp_path / "run", reliability_data, capsys, f"data.train.path={empty}")
+    rc, out = train(tmp_path / "run", demo_data, capsys, f"data.train.path={empty}")
     assert rc == 2, out
     assert str(empty) in out
 
 
 def test_a_data_set_too_small_for_the_dp_world_size(ray_session, tmp_path, capsys):
-    from runtime.data.demo import build_demo_dataset
+    from sft_runtime.runtime.data.demo import build_demo_dataset
 
     tiny = build_demo_dataset(tmp_path / "tiny", num_samples=1, seed=0)
     rc, out = train(tmp_path / "run", tiny, capsys)
@@ -91,8 +91,8 @@ def test_a_data_set_too_small_for_the_dp_world_size(ray_session, tmp_path, capsy
     assert "data.train.path" in out and "data-parallel" in out
 
 
-def test_a_truncated_tar_shard(ray_session, reliability_data, tmp_path, capsys):
-    data = _bad_data_copy(reliability_data, tmp_path / "data")
+def test_a_truncated_tar_shard(ray_session, demo_data, tmp_path, capsys):
+    data = _bad_data_copy(demo_data, tmp_path / "data")
     shard = data / "train-000000.tar"
     with open(shard, "r+b") as fh:
         fh.truncate(3000)
@@ -101,8 +101,8 @@ def test_a_truncated_tar_shard(ray_session, reliability_data, tmp_path, capsys):
     assert "train-000000.tar" in out
 
 
-def test_a_scribbled_tar_shard(ray_session, reliability_data, tmp_path, capsys):
-    data = _bad_data_copy(reliability_data, tmp_path / "data")
+def test_a_scribbled_tar_shard(ray_session, demo_data, tmp_path, capsys):
+    data = _bad_data_copy(demo_data, tmp_path / "data")
     shard = data / "train-000000.tar"
     size = shard.stat().st_size
     with open(shard, "r+b") as fh:  # keep the first header, scribble over every sample
@@ -114,35 +114,33 @@ def test_a_scribbled_tar_shard(ray_session, reliability_data, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------ checkpoints
-def test_a_checkpoint_without_training_info_is_refused(
-    reference, reliability_data, tmp_path, capsys
-):
+def test_a_checkpoint_without_training_info_is_refused(reference, demo_data, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(reference.run_dir, run_dir)
     info = run_dir / "checkpoints" / f"step_{STEPS}" / "training_info.json"
     info.unlink()
-    out = refused(run_dir, reliability_data, capsys)
+    out = refused(run_dir, demo_data, capsys)
     assert f"{info}: missing; the checkpoint is incomplete" in out
 
 
-def test_truncated_checkpoint_weights_are_refused(reference, reliability_data, tmp_path, capsys):
+def test_truncated_checkpoint_weights_are_refused(reference, demo_data, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(reference.run_dir, run_dir)
     weights = run_dir / "checkpoints" / f"step_{STEPS}" / "policy" / "weights"
     path = weights / "model.safetensors"
     path.write_bytes(path.read_bytes()[:1000])
-    out = refused(run_dir, reliability_data, capsys)
+    out = refused(run_dir, demo_data, capsys)
     assert "model.safetensors" in out
 
 
 # ------------------------------------------------------------------------------ disk full
 def test_disk_full_while_saving_keeps_the_previous_checkpoint_and_the_log(
-    reference, reliability_data, tmp_path, monkeypatch
+    reference, demo_data, tmp_path, monkeypatch
 ):
     """The controller runs in this process so the save can be made to hit ENOSPC."""
-    import runtime.save_checkpoint as save_checkpoint
-    from runtime.controller import SFTController
-    from runtime.setup import setup_sft_v2
+    import sft_runtime.runtime.checkpoint.save as save_checkpoint
+    from sft_runtime.runtime.controller.loop import SFTController
+    from sft_runtime.runtime.launch.setup import setup_sft_v2
 
     real = save_checkpoint.dumps_loader_states
     calls = []
@@ -155,7 +153,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint_and_the_log(
 
     monkeypatch.setattr(save_checkpoint, "dumps_loader_states", dumps_until_full)
     run_dir = tmp_path / "run"
-    config = small_config(run_dir, reliability_data, STEPS)
+    config = small_config(run_dir, demo_data, STEPS)
     args = setup_sft_v2(config)
     try:
         with pytest.raises(OSError) as err:
@@ -175,9 +173,9 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint_and_the_log(
     assert verify(run_dir)[0] == 0
 
     monkeypatch.setattr(save_checkpoint, "dumps_loader_states", real)
-    from runtime.driver import run_training
+    from sft_runtime.runtime.launch.driver import run_training
 
-    summary = run_training(small_config(run_dir, reliability_data, STEPS))
+    summary = run_training(small_config(run_dir, demo_data, STEPS))
     assert summary["resumed_from_step"] == 3
     assert dir_digest(ckpt / "step_3") == step_3
     assert compare(run_dir, reference).mismatches == []

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from reliability_harness import (
+
+from sft_runtime.runtime.controller.faults import POINTS
+from tests.support.reliability import (
     PREFETCH,
     STEPS,
     Runner,
@@ -26,8 +28,6 @@ from reliability_harness import (
     summary_line,
     tagged_pids,
 )
-
-from runtime.faults import POINTS
 
 
 @dataclass(frozen=True)
@@ -140,13 +140,13 @@ def _run_chain(runner, kills) -> None:
 
 
 @pytest.fixture(scope="module")
-def chains(reliability_data, launch_env, tmp_path_factory):
+def chains(demo_data, launch_env, tmp_path_factory):
     """Both chains, run side by side (each launch mostly waits for Ray to start)."""
     ray_tmp, tag = launch_env
     runners = {
         name: Runner(
             tmp_path_factory.mktemp(name),
-            reliability_data,
+            demo_data,
             ray_tmp,
             tag,
             f"chain_{name}",

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from reliability_harness import PREFETCH, Reference, committed, compare, load_weights
-from small_run import small_config, small_raw
 
-from events import read_log
-from events.errors import EventLogError
-from runtime.cli import main as cli_main
-from runtime.driver import run_training
-from runtime.errors import UserInputError
-from runtime.policy.group import PolicyWorkerGroup
+from sft_runtime.events import read_log
+from sft_runtime.events.errors import EventLogError
+from sft_runtime.runtime.cli.main import main as cli_main
+from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.launch.driver import run_training
+from sft_runtime.runtime.policy.group import PolicyWorkerGroup
+from tests.support.reliability import PREFETCH, Reference, committed, compare, load_weights
+from tests.support.small_run import small_config, small_raw
 
 STEPS_LONG = 24  # checkpoints at 10, 20, 24
 SAVE_EVERY = "checkpointing.save_period=10"
@@ -76,16 +76,16 @@ def _when_held(hold: Path, action, stop: threading.Event) -> threading.Thread:
 
 @pytest.mark.parametrize("read_ahead", [(), PREFETCH], ids=["read_ahead_off", "read_ahead_on"])
 def test_a_worker_killed_mid_step_aborts_fails_and_resumes_exactly(
-    ray_session, reliability_data, tmp_path, captured_groups, read_ahead, monkeypatch
+    ray_session, demo_data, tmp_path, captured_groups, read_ahead, monkeypatch
 ):
     ref_dir = tmp_path / "reference"  # without read-ahead: it must not change the run
-    run_training(small_config(ref_dir, reliability_data, STEPS_LONG, SAVE_EVERY))
+    run_training(small_config(ref_dir, demo_data, STEPS_LONG, SAVE_EVERY))
     reference = Reference(
         ref_dir, STEPS_LONG, committed(ref_dir), load_weights(ref_dir, STEPS_LONG)
     )
 
     run_dir = tmp_path / "run"
-    config = small_config(run_dir, reliability_data, STEPS_LONG, SAVE_EVERY, *read_ahead)
+    config = small_config(run_dir, demo_data, STEPS_LONG, SAVE_EVERY, *read_ahead)
     stop, killed = threading.Event(), []
     hold = tmp_path / "held"
     _hold_at(monkeypatch, hold, f"worker:train@{KILL_AT}", rank=1)
@@ -123,9 +123,7 @@ def test_a_worker_killed_mid_step_aborts_fails_and_resumes_exactly(
     assert [s.data["reason"] for s in stopped] == ["failed"]
     assert aborted[0].data["error_type"] == "PolicyWorkerError"
 
-    summary = run_training(
-        small_config(run_dir, reliability_data, STEPS_LONG, SAVE_EVERY, *read_ahead)
-    )
+    summary = run_training(small_config(run_dir, demo_data, STEPS_LONG, SAVE_EVERY, *read_ahead))
     assert summary["reason"] == "completed"
     assert summary["resumed_from_step"] == (10 * ((step - 1) // 10) or None)
     cmp = compare(run_dir, reference)
@@ -139,15 +137,15 @@ def test_a_worker_killed_mid_step_aborts_fails_and_resumes_exactly(
 
 
 def test_a_second_run_on_a_live_run_directory_is_refused(
-    ray_session, reliability_data, tmp_path, capsys, monkeypatch
+    ray_session, demo_data, tmp_path, capsys, monkeypatch
 ):
     """The first run holds just after step 1 is durable; a second `train` on its directory
     is refused then, and the first run, released, finishes alone."""
     steps = 3
     run_dir = tmp_path / "run"
-    first_config = small_config(run_dir, reliability_data, steps)
+    first_config = small_config(run_dir, demo_data, steps)
     config_file = tmp_path / "second.yaml"
-    config_file.write_text(yaml.safe_dump(small_raw(run_dir, reliability_data, steps)))
+    config_file.write_text(yaml.safe_dump(small_raw(run_dir, demo_data, steps)))
     hold = tmp_path / "held"
     _hold_at(monkeypatch, hold, "stepping:after_append@1")
     outcome: dict = {}
@@ -180,7 +178,7 @@ def test_a_second_run_on_a_live_run_directory_is_refused(
 def test_the_worker_error_reaches_the_driver_as_itself():
     import pickle
 
-    from runtime.policy.group import PolicyWorkerError
+    from sft_runtime.runtime.policy.group import PolicyWorkerError
 
     error = PolicyWorkerError("train_step failed: rank 1: worker died", [1])
     again = pickle.loads(pickle.dumps(error))

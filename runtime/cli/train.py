@@ -1,0 +1,153 @@
+"""`sft-runtime train CONFIG [key=value ...]` and `sft-runtime demo`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sft_runtime.runtime.errors import UserInputError
+
+EXIT_INTERRUPTED = 130
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train from a YAML config (resumes when the run dir has one)")
+    p.add_argument("config", type=Path)
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.add_argument("--run-dir", type=Path, default=None, help="sets logger.log_dir")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="train a small model on synthetic chats, end to end")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
+    p.add_argument("--steps", type=int, default=150)
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from sft_runtime.runtime.config import load_config
+
+    overrides = list(args.overrides)
+    if args.run_dir is not None:
+        overrides.append(f"logger.log_dir={args.run_dir}")
+    config = load_config(args.config, overrides)
+    if config.logger.log_dir is None:
+        raise UserInputError("logger.log_dir: required (or pass --run-dir DIR)")
+    return _train(config)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from sft_runtime.runtime.cli.demo import demo_config, greedy_completions
+    from sft_runtime.runtime.data.demo import build_demo_dataset
+
+    if args.steps < 1:
+        raise UserInputError(f"--steps must be >= 1, got {args.steps}")
+    console = Console()
+    data_dir = args.run_dir / "data"
+    if not (data_dir / ".nv-meta").is_dir():
+        console.print(f"building the synthetic chat data set in {data_dir} ...")
+        build_demo_dataset(data_dir, num_samples=1024, seed=0)
+    config = demo_config(args.run_dir, data_dir, _demo_budget(args.run_dir, args.steps))
+    before = greedy_completions(config, None)
+    code = _train(config, console=console)
+    from sft_runtime.runtime.checkpoint.store import CheckpointDir
+    from sft_runtime.runtime.config import checkpoint_root
+
+    steps = CheckpointDir(checkpoint_root(config)).steps()
+    if steps:
+        weights = checkpoint_root(config) / f"step_{steps[-1]}" / "policy" / "weights"
+        after = greedy_completions(config, weights)
+        from sft_runtime.runtime.cli.demo import DEMO_PROMPTS
+
+        console.print("sample completions (before -> after):")
+        for prompt, b, a in zip(DEMO_PROMPTS, before, after, strict=True):
+            console.print(f"  {prompt!r}: {b!r} -> {a!r}", markup=False)
+    return code
+
+
+def _train(config, console=None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from sft_runtime.runtime.config import _max_train_steps
+    from sft_runtime.runtime.launch.driver import RunInterrupted, run_training
+
+    console = console or Console()
+    run_dir = Path(config.logger.log_dir)
+    total = _max_train_steps(config)
+    progress = Progress(
+        TextColumn("step"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+    task = progress.add_task("train", total=total, info="")
+
+    def on_step(row: dict) -> None:
+        if not progress.live.is_started:
+            progress.start()
+        m = row.get("train", {})
+        info = f"loss {m.get('loss', 0):.4f}  {m.get('valid_tokens_per_second', 0):,.0f} tok/s"
+        progress.update(task, completed=row["step"], info=info)
+
+    def on_stop() -> None:
+        console.print("stop requested: finishing the step and saving (signal again to abort)")
+
+    console.print(f"starting Ray and {config.cluster.world_size} workers for {run_dir} ...")
+    try:
+        summary = run_training(config, on_step=on_step, on_stop_request=on_stop)
+    except RunInterrupted as exc:
+        progress.stop()
+        _report(console, exc.summary, run_dir)
+        return EXIT_INTERRUPTED
+    finally:
+        progress.stop()
+    _report(console, summary, run_dir)
+    return 0
+
+
+def _report(console, summary: dict | None, run_dir: Path) -> None:
+    if summary is None:
+        return
+    if summary["resumed_from_step"]:
+        console.print(
+            f"resumed from step {summary['resumed_from_step']} (attempt {summary['attempt']})"
+        )
+    if summary["steps_run"] == 0 and summary["reason"] == "completed":
+        console.print(
+            f"the budget of {summary['max_steps']} steps was already reached: nothing to train"
+        )
+    elif summary["first_loss"] is not None:
+        console.print(
+            f"{summary['reason']}: {summary['steps_run']} steps, loss "
+            f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
+            f"{summary['total_steps']}/{summary['max_steps']} steps done"
+        )
+    console.print(f"events:      {run_dir / 'events.jsonl'}  (sft-runtime events {run_dir})")
+    console.print(f"metrics:     {run_dir / 'metrics.jsonl'}")
+    console.print(f"checkpoints: {summary['checkpoints']} under {run_dir / 'checkpoints'}")
+    merged = sorted((run_dir / "traces").glob("run-attempt*.json"))
+    if merged:
+        console.print(f"traces:      {merged[-1]}  (Jaeger UI: Search -> Upload; or")
+        console.print(f"             sft-runtime trace {run_dir} --step N)")
+    else:
+        console.print("traces:      off (set telemetry.enabled=true)")
+
+
+def _demo_budget(run_dir: Path, steps: int) -> int:
+    """A finished demo run trains ``steps`` more when run again; an interrupted one resumes
+    to its budget."""
+    from sft_runtime.events import history, read_log
+    from sft_runtime.events.log import log_path
+    from sft_runtime.states import replay
+
+    if not log_path(run_dir).is_file():
+        return steps
+    attempts = history(read_log(run_dir)).attempts
+    done = replay(run_dir).total_steps
+    finished = bool(attempts) and attempts[-1].stop_reason == "completed"
+    return done + steps if finished else max(steps, done)

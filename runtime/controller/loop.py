@@ -1,0 +1,399 @@
+"""`SFTController`: the single controller's run loop, a short sequence of trigger calls.
+
+The loop reads like the recipe: set up the loaders, then while in ``loading`` halt or run
+one step, and save when the machine went to ``saving``. The table in `states.machine` says
+which moves exist; this module does each phase's work and fires the trigger that records
+it. `runtime.sft_v2.SFTSingleControllerActor` is this class made remote.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+
+from sft_runtime.events import LoadersReady, RunStarted, open_log
+from sft_runtime.runtime.checkpoint.save import (
+    checkpoint_info,
+    config_yaml,
+    save_policy_files,
+    saved_event,
+    state_metric,
+    write_checkpoint,
+)
+from sft_runtime.runtime.config import (
+    MasterConfig,
+    _max_train_steps,
+    loader_spec,
+    run_checkpoints,
+    step_rules,
+)
+from sft_runtime.runtime.controller.faults import fault_point
+from sft_runtime.runtime.controller.metrics import (
+    SFT_V2_TEED_METRICS,
+    check_envelopes,
+    committed_event,
+    run_summary,
+    step_attributes,
+    step_metrics,
+)
+from sft_runtime.runtime.controller.metrics_log import MetricsLogger
+from sft_runtime.runtime.controller.step import START as START_METHOD
+from sft_runtime.runtime.controller.step import StepCalls
+from sft_runtime.runtime.data.factory import build_colocated_loader
+from sft_runtime.runtime.errors import quietly
+from sft_runtime.runtime.launch.liveness import check_driver
+from sft_runtime.states import ControllerModel, ControllerState
+from sft_runtime.traces.context import attached, inject_carrier, span_ids
+from sft_runtime.traces.metrics import StepInstruments
+from sft_runtime.traces.setup import setup_telemetry
+from sft_runtime.traces.spans import (
+    JOB_SPAN,
+    POLICY_TRAINING_SPAN,
+    SAVE_SPAN,
+    record_error,
+    set_attributes_lazily,
+    step_span,
+    traced,
+)
+
+S = ControllerState
+
+
+class SFTController:
+    """Drives the policy workers through the machine's states for one attempt of a run."""
+
+    def __init__(self, master_config: MasterConfig, actor_args: Any) -> None:
+        self.config = master_config
+        self.args = actor_args
+        self.group = actor_args.trainer
+        self.plan = actor_args.placement_plan
+        self.run_dir = Path(master_config.logger.log_dir)
+        self.ckpt = run_checkpoints(master_config)
+        self.max_steps = _max_train_steps(master_config)
+        self._stop = threading.Event()
+        self._last_metrics: dict[str, Any] = {}
+        self._losses: list[float] = []
+        self.log = None
+        self.calls = StepCalls(self.group, actor_args.loss_fn)
+        self._job = None  # the job span (each step span links to it)
+        self._t_free = 0.0  # when the workers finished the last step
+        self.model: ControllerModel | None = None
+        self.metrics: MetricsLogger | None = None
+        self.instruments = StepInstruments(SFT_V2_TEED_METRICS)
+        self._config_yaml = config_yaml(master_config.model_dump(mode="json"))
+
+    # -- entry points --------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Ask the loop to stop at the next step boundary (after a final checkpoint)."""
+        self._stop.set()
+
+    def run_with_trace_context(self, _otel_carrier: dict | None = None) -> dict[str, Any]:
+        """`run` as a child of the driver's span; exports this process's spans at the end."""
+        telemetry = setup_telemetry(self.config.telemetry, role="controller", run_dir=self.run_dir)
+        try:
+            with attached(_otel_carrier):
+                return self.run()
+        finally:
+            telemetry.force_flush()
+
+    def run(self) -> dict[str, Any]:
+        with traced(JOB_SPAN) as job:
+            self._job = job
+            self._open()
+            start_step = self.model.save_state.total_steps
+            reason, error = "completed", None
+            try:
+                self._setup_loaders()
+                while self.model.state is S.loading:
+                    self._check_driver()
+                    self.model.stop_requested = self._stop.is_set()
+                    if self.model.halt():  # to saving first when steps are unsaved
+                        self.calls.drop_ahead()
+                        if self.model.state is S.saving:
+                            self._save_checkpoint()
+                        break
+                    self._run_one_step()
+                    if self.model.state is S.saving:
+                        self._save_checkpoint()
+                reason = self._end_reason()
+            except BaseException as exc:
+                interrupted = isinstance(exc, KeyboardInterrupt)
+                reason, error = ("interrupted" if interrupted else "failed"), exc
+                record_error(job, exc)
+                raise
+            finally:
+                self._close(reason, error)
+            return self._summary(start_step, reason)
+
+    # -- phases --------------------------------------------------------------------------
+    def _open(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cluster = self.args.train_cluster
+        owner = {k: cluster[k] for k in ("driver_pid", "driver_host") if k in cluster}
+        self.log = open_log(self.run_dir, owner=owner)
+        state = self.args.save_state
+        rules = step_rules(self.config, now=time.time())
+        self.model = ControllerModel(rules, log=self.log, save_state=state)
+        log_cfg = self.config.logger
+        self.metrics = MetricsLogger(
+            log_cfg.log_dir or self.run_dir, jsonl=log_cfg.jsonl, tensorboard=log_cfg.tensorboard
+        )
+        self.model.start(
+            event=RunStarted(
+                placement_hash=state.placement_hash,
+                resumed_from_step=state.total_steps or None,
+                max_steps=self.max_steps,
+                logical_world_size=self.plan.logical_world_size,
+                node_ids=list(self.args.train_cluster.get("node_ids", [])),
+                host=socket.gethostname(),
+                pid=os.getpid(),
+            )
+        )
+
+    def _setup_loaders(self) -> None:
+        cfg, plan = self.config, self.plan
+        spec = loader_spec(cfg, plan.logical_world_size)
+        owners = [copy.owner_rank for copy in plan.copies]
+        if owners != self.group.owner_ranks:
+            raise RuntimeError(
+                f"placement plan owners {owners} != workers {self.group.owner_ranks}"
+            )
+        hash_ = plan.placement_hash
+        factories = [
+            partial(build_colocated_loader, spec, c.logical_rank, c.logical_world_size, hash_)
+            for c in plan.copies
+        ]
+        t0 = time.perf_counter()
+        self._all_call("setup_telemetry", cfg.telemetry, str(self.run_dir), self._attempt)
+        restored = self.args.loader_states
+        depth = cfg.data_plane.max_partitions  # batches an owner may hold: >= 2 prefetches
+        self.group.setup_loaders(
+            factories, restored, **({"prefetch_depth": depth} if depth > 1 else {})
+        )
+        fault_point(
+            "setup:after_loaders", step=self.model.save_state.total_steps, attempt=self._attempt
+        )
+        self._all_call("prepare_for_training")
+        self.model.loaders_ready(
+            event=LoadersReady(
+                owner_ranks=owners,
+                logical_world_size=plan.logical_world_size,
+                restored=restored is not None,
+                seconds=time.perf_counter() - t0,
+            )
+        )
+
+    def _run_one_step(self) -> None:
+        step = self.model.save_state.total_steps + 1
+        ahead = self.calls.ahead_span(step)  # its start was sent with the last step
+        with step_span(step, attempt=self._attempt, job=self._job, span=ahead) as span:
+            t0 = self._t_free if ahead is not None else time.perf_counter()
+            phase, policy_open, batch_active = "loading", True, True
+            try:
+                with traced(POLICY_TRAINING_SPAN):
+                    envelopes, results = self._train_step_calls(step)
+                t_done = time.perf_counter()
+                phase, policy_open = "train", False
+                fault_point("stepping:after_optimizer", step=step, attempt=self._attempt)
+                load_time = max(e.load_seconds for e in envelopes)
+                metrics = step_metrics(
+                    envelopes,
+                    results,
+                    load_time=load_time,
+                    policy_time=t_done - t0 - load_time,
+                    total_time=time.perf_counter() - t0,
+                )
+                phase = "metrics"
+                self._checkpoint_metric(metrics)
+                phase = "commit"
+                self._check_driver()  # a killed run commits no step after its driver died
+                with traced("rl.sft_v2.commit"):
+                    self.calls.recorded()  # the loader commit goes with the next start
+                batch_active = False
+                fault_point("stepping:after_commit", step=step, attempt=self._attempt)
+                phase = "record"
+                payload = committed_event(step, metrics, envelopes, *span_ids(span))
+                with traced("rl.sft_v2.event_append"):
+                    self.model.commit(event=payload)
+                fault_point("stepping:after_append", step=step, attempt=self._attempt)
+            except BaseException as exc:
+                record_error(span, exc)
+                phase = getattr(exc, "phase", None) or phase
+                self._abort_step(exc, phase, policy_open=policy_open, batch_active=batch_active)
+                raise
+            self._t_free = t_done
+            self._last_metrics = metrics
+            self._losses.append(metrics["loss"])
+            self.metrics.log(step, metrics)
+            self.instruments.record(metrics, {"attempt": self._attempt})
+            set_attributes_lazily(
+                span, lambda: step_attributes(metrics, self.model.save_state.consumed_samples)
+            )
+
+    def _train_step_calls(self, step: int) -> tuple[list, list[dict[str, Any]]]:
+        """Send the step's start (unless sent ahead) and finish, and the next step's start when
+        it is certain to follow (`StepCalls`); then wait: envelopes and finish metrics."""
+        carrier = inject_carrier()
+        start = self.calls.start(step, carrier)
+        finish = self.calls.finish(carrier)
+        state = replace(self.model.save_state, total_steps=step)
+        if self.model.rules.continues_after(state, time.time(), stopping=self._stop.is_set()):
+            self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
+        outs = self.group.wait(START_METHOD, start)
+        envelopes = [outs[rank]["envelope"] for rank in self.group.owner_ranks]
+        check_envelopes(envelopes, self.plan.logical_world_size)
+        fault_point("stepping:after_load", step=step, attempt=self._attempt)
+        self.model.batch_loaded()
+        return envelopes, self.group.wait("finish_train_step", finish)
+
+    def _send_ahead_past_save(self, state: Any) -> None:
+        """Workers start the next step once their checkpoint files are written, while the
+        controller finishes the checkpoint (unless the run stops: `StepCalls.drop_ahead`)."""
+        if not self.model.rules.should_stop(state, now=time.time(), stopping=self._stop.is_set()):
+            step, attempt = state.total_steps + 1, self._attempt  # the save committed
+            self.calls.send_ahead(step, commit=False, attempt=attempt, job=self._job)
+
+    def _load_envelopes(self) -> list:
+        """Load on every owner (the step's first phase, fanned out on its own)."""
+        self.calls.flush_commit()
+        envelopes = self._owner_call("load_next_sft_batch")
+        check_envelopes(envelopes, self.plan.logical_world_size)
+        return envelopes
+
+    def _run_train_step(self) -> list[dict[str, Any]]:
+        """begin / train / finish on every worker, submitted back to back, one wait."""
+        with traced(POLICY_TRAINING_SPAN):
+            carrier, g = inject_carrier(), self.group
+            refs = g.submit("begin_train_step", self.args.loss_fn, _otel_carrier=carrier)
+            refs += g.submit("train_step", _otel_carrier=carrier)
+            refs += g.submit("finish_train_step", _otel_carrier=carrier)
+            return g.wait("train_step", refs)[len(refs) * 2 // 3 :]
+
+    def _policy_metrics(self) -> dict[str, Any]:
+        return dict(self._last_metrics)
+
+    def _owner_call(self, method: str, *args: Any) -> list[Any]:
+        return self.group.run(method, *args, ranks="owners", _otel_carrier=inject_carrier())
+
+    def _all_call(self, method: str, *args: Any) -> list[Any]:
+        return self.group.run(method, *args, _otel_carrier=inject_carrier())
+
+    def _loader_state_dicts(self) -> list[bytes]:
+        """Each owner's loader state, pickled in the worker (see `dump_loader_state`)."""
+        self.calls.drop_ahead()
+        self.calls.flush_commit()
+        return self._owner_call("sft_dataloader_state_bytes")
+
+    def _should_save(self) -> bool:
+        return self.model.state is S.saving
+
+    def _checkpoint_metric(self, metrics: dict[str, Any]) -> float | None:
+        """The value checkpoints are ranked by; an unknown name fails at the first step."""
+        return state_metric(self.config.checkpointing.metric_name, metrics)
+
+    def _save_checkpoint(self) -> None:
+        state, rules, attempt = self.model.save_state, self.model.rules, self._attempt
+        kinds = rules.save_kinds(state, now=time.time(), stopping=self.model.stop_requested)
+        with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
+            t0 = time.perf_counter()
+            metric = self._checkpoint_metric(self._last_metrics) if self._last_metrics else None
+            self.calls.drop_ahead()
+            commit, self.calls.commit_pending = self.calls.commit_pending, False
+            save_policy = partial(
+                save_policy_files,
+                self.group,
+                save_optimizer=self.config.checkpointing.save_optimizer,
+                final=rules.budget_reached(state),
+                carrier=inject_carrier(),
+                commit_first=commit,
+                then=partial(self._send_ahead_past_save, state),
+            )
+            info = checkpoint_info(self.config, kinds, metric, attempt)
+            path = write_checkpoint(
+                self.ckpt,
+                attempt=attempt,
+                save_state=state,
+                save_policy=save_policy,
+                config=self._config_yaml,
+                info=info,
+            )
+            self.model.saved(event=saved_event(state, path, metric, time.perf_counter() - t0))
+        fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
+        quietly("prune old checkpoints", self.ckpt.prune)
+        self._t_free = time.perf_counter()  # the next step's time starts after the save
+
+    def _abort_step(
+        self, exc: BaseException, phase: str, *, policy_open: bool, batch_active: bool
+    ) -> None:
+        """Undo what the step opened, record `step_aborted`; cleanup failures only warn."""
+        quietly("wait for the step's calls", self.calls.settle)
+        if self.calls.has_ahead:  # a start sent ahead is undone with this step
+            policy_open = batch_active = True
+            quietly("discard the step started ahead", self.calls.drop_ahead)
+        if policy_open:
+            quietly("abort the policy step", lambda: self._all_call("abort_train_step"))
+        if batch_active:
+            quietly("abort the loader batches", lambda: self._owner_call("abort_sft_batch"))
+        span = span_ids(trace.get_current_span())
+        quietly(
+            "record step_aborted",
+            lambda: self.model.fail(error=exc, phase=phase, trace_id=span[0], span_id=span[1]),
+        )
+
+    def _close_loaders(self) -> None:
+        try:
+            self.calls.drop_ahead()
+            self.calls.flush_commit()
+        finally:
+            self._owner_call("close_sft_dataloader")
+
+    def _close(self, reason: str, error: BaseException | None) -> None:
+        """Teardown in order: loaders, logger, checkpoints, telemetry; then run_stopped."""
+        quietly("close the loaders", self._close_loaders)
+        quietly("export the workers' spans", lambda: self._all_call("flush_telemetry"))
+        if self.metrics is not None:
+            quietly("close the metrics logger", self.metrics.close)
+        if self.model is not None and self.log is not None:
+            if self.model.state in (S.setup, S.loading):
+                quietly("close the machine", self.model.close)
+            elif self.model.state is S.saving:
+                quietly("close the machine", lambda: self.model.fail(error=error))
+            if self.model.state is S.closing:
+                step = self.model.save_state.total_steps
+                fault_point("closing:before_stop", step=step, attempt=self._attempt)
+                msg = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+                quietly("record run_stopped", lambda: self.model.finish(reason=reason, error=msg))
+        if self.log is not None:
+            self.log.close()
+
+    def _check_driver(self) -> None:
+        check_driver(self.args.train_cluster)
+
+    @property
+    def _attempt(self) -> int | None:
+        return None if self.log is None else self.log.attempt
+
+    def _end_reason(self) -> str:
+        if self._stop.is_set():
+            return "interrupted"
+        return "timeout" if self.model.rules.timed_out(time.time()) else "completed"
+
+    def _summary(self, start_step: int, reason: str) -> dict[str, Any]:
+        return run_summary(
+            self.model.save_state,
+            reason=reason,
+            attempt=self.log.attempt,
+            start_step=start_step,
+            max_steps=self.max_steps,
+            losses=self._losses,
+            checkpoints=self.ckpt.steps(),
+            run_dir=self.run_dir,
+        )

@@ -1,0 +1,171 @@
+"""What one step measured, from the loader envelopes and the workers' results.
+
+Pure functions of plain data, so the controller stays a sequence of calls and the numbers
+are testable without Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sft_runtime.events import StepCommitted
+from sft_runtime.runtime.data.batch import StepEnvelope
+
+LOADER_LATENCY_MAX_KEY = "loader_latency_max"
+POLICY_TIME_KEY = "policy_time"
+TOTAL_STEP_TIME_KEY = "total_step_time"
+VALID_TOKENS_PER_SECOND_KEY = "valid_tokens_per_second"
+
+
+def sample_digest(source_ids: Sequence[str]) -> str:
+    """A short digest of one logical rank's source ids, in order."""
+    return hashlib.sha256("\n".join(source_ids).encode()).hexdigest()[:32]
+
+
+def check_envelopes(envelopes: Sequence[StepEnvelope], logical_world_size: int) -> None:
+    ranks = [e.logical_rank for e in envelopes]
+    if ranks != list(range(logical_world_size)):
+        raise RuntimeError(
+            f"loader envelopes came back for logical ranks {ranks}, "
+            f"expected 0..{logical_world_size - 1} in order"
+        )
+
+
+def step_metrics(
+    envelopes: Sequence[StepEnvelope],
+    results: Sequence[dict[str, Any]],
+    *,
+    load_time: float,
+    policy_time: float,
+    total_time: float,
+) -> dict[str, Any]:
+    """The metric keys of one step (logged to metrics.jsonl and the step_committed record)."""
+    latencies = [e.load_seconds for e in envelopes]
+    tokens = [e.valid_tokens for e in envelopes]
+    mean_tokens = sum(tokens) / len(tokens) if tokens else 0.0
+    valid_tokens = sum(tokens)
+    head = results[0]
+    metrics = {
+        "loss": float(head["loss"]),
+        "grad_norm": float(head["grad_norm"]),
+        "lr": float(head["lr"]),
+        "valid_tokens": valid_tokens,
+        "source_samples": sum(len(e.source_ids) for e in envelopes),
+        "physical_packs": sum(e.physical_packs for e in envelopes),
+        LOADER_LATENCY_MAX_KEY: max(latencies, default=0.0),
+        "loader_latency_mean": sum(latencies) / len(latencies) if latencies else 0.0,
+        "loader_copy_imbalance": (max(tokens) / mean_tokens) if mean_tokens else 1.0,
+        "load_time": load_time,
+        POLICY_TIME_KEY: policy_time,
+        TOTAL_STEP_TIME_KEY: total_time,
+        VALID_TOKENS_PER_SECOND_KEY: valid_tokens / total_time if total_time > 0 else 0.0,
+    }
+    for key in ("forward_backward_s", "allreduce_s", "optimizer_s"):
+        values = [float(r[key]) for r in results if key in r]
+        if values:
+            metrics[key] = max(values)
+    return metrics
+
+
+@dataclass(frozen=True)
+class TeedMetric:
+    """A logger key mirrored to an OpenTelemetry instrument."""
+
+    key: str
+    instrument: str
+    unit: str
+    description: str
+
+
+SFT_V2_TEED_METRICS: tuple[TeedMetric, ...] = (
+    TeedMetric(
+        LOADER_LATENCY_MAX_KEY,
+        "rl.sft_v2.loader.latency.max",
+        "s",
+        "Slowest loader owner's time to deliver its batch",
+    ),
+    TeedMetric(POLICY_TIME_KEY, "rl.sft_v2.policy.duration", "s", "Policy training time of a step"),
+    TeedMetric(TOTAL_STEP_TIME_KEY, "rl.sft_v2.step.duration", "s", "Wall time of a whole step"),
+    TeedMetric(
+        VALID_TOKENS_PER_SECOND_KEY,
+        "rl.sft_v2.valid_tokens_per_second",
+        "{token}/s",
+        "Supervised tokens trained per second",
+    ),
+)
+
+TIMING_KEYS = (
+    LOADER_LATENCY_MAX_KEY,
+    "loader_latency_mean",
+    "load_time",
+    POLICY_TIME_KEY,
+    TOTAL_STEP_TIME_KEY,
+    "forward_backward_s",
+    "allreduce_s",
+    "optimizer_s",
+)
+
+
+def committed_event(
+    step: int,
+    metrics: dict[str, Any],
+    envelopes: Sequence[StepEnvelope],
+    trace_id: str | None,
+    span_id: str | None,
+) -> StepCommitted:
+    """The `step_committed` payload: counters, loss, timings, per-rank sample digests."""
+    return StepCommitted(
+        step=step,
+        source_samples=metrics["source_samples"],
+        valid_tokens=metrics["valid_tokens"],
+        physical_packs=metrics["physical_packs"],
+        loss=metrics["loss"],
+        grad_norm=metrics["grad_norm"],
+        lr=metrics["lr"],
+        timings={k: float(metrics[k]) for k in TIMING_KEYS if k in metrics},
+        sample_digests=[sample_digest(e.source_ids) for e in envelopes],
+        trace_id=trace_id,
+        span_id=span_id,
+    )
+
+
+def step_attributes(metrics: dict[str, Any], consumed_samples: int) -> dict[str, Any]:
+    """Attributes of a finished ``rl.sft_v2.step`` span."""
+    return {
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "valid_tokens": metrics["valid_tokens"],
+        "consumed_samples": consumed_samples,
+        "total_step_time": metrics["total_step_time"],
+    }
+
+
+def run_summary(
+    state: Any,
+    *,
+    reason: str,
+    attempt: int,
+    start_step: int,
+    max_steps: int,
+    losses: Sequence[float],
+    checkpoints: list[int],
+    run_dir: Any,
+) -> dict[str, Any]:
+    """What `SFTController.run` returns: how the attempt ended and where the run stands."""
+    return {
+        "reason": reason,
+        "attempt": attempt,
+        "resumed_from_step": start_step or None,
+        "steps_run": state.total_steps - start_step,
+        "total_steps": state.total_steps,
+        "max_steps": max_steps,
+        "consumed_samples": state.consumed_samples,
+        "total_valid_tokens": state.total_valid_tokens,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "checkpoints": checkpoints,
+        "run_dir": str(run_dir),
+    }

@@ -1,0 +1,110 @@
+"""`StepCalls`: each step's worker calls, sent so that the workers never wait on the controller.
+
+A step is two calls per worker: `start_sft_step` (commit the previous batch, load, begin,
+forward/backward) and `finish_train_step` (gradient all-reduce, optimizer). Ray runs an
+actor's calls in the order they were sent, so the controller sends step N's finish and, when
+step N+1 is certain to follow, step N+1's start before it waits for anything: a worker goes
+from finishing N straight into N+1 while the controller checks and records N. Measured on
+a 2-core machine, the gap between steps fell from about 5 ms to the worker's own overhead.
+
+Everything a start does can be undone (`abort_train_step` rewinds gradients and RNG,
+`abort_sft_batch` the loader), so a start sent ahead that is then not wanted (a stop request,
+a deadline, a failure while recording step N) is waited for and undone, and the run goes on
+exactly as if it had never been sent.
+
+Loader commits: a step's batch is committed by the next start (``commit_previous``), which a
+worker refuses unless that step finished there. When no start follows (a checkpoint, the end
+of the run), `flush_commit` sends the commit on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sft_runtime.traces.spans import carrier_of, start_step_span
+
+START = "start_sft_step"
+FINISH = "finish_train_step"
+SETTLE_TIMEOUT_S = 30.0
+
+
+class StepCalls:
+    """The start/finish calls of the current step and of a step started ahead."""
+
+    def __init__(self, group: Any, loss_fn: Any) -> None:
+        self.group = group
+        self.loss_fn = loss_fn
+        self.commit_pending = False  # the last recorded step's batch still needs a commit
+        self._ahead: tuple[int, list, Any] | None = None  # (step, start refs, its step span)
+        self._sent: list = []  # refs of the current step, for `settle`
+
+    @property
+    def has_ahead(self) -> bool:
+        return self._ahead is not None
+
+    def ahead_span(self, step: int) -> Any:
+        """The step span of ``step`` when its start was sent ahead (the step runs inside it)."""
+        return self._ahead[2] if self._ahead is not None and self._ahead[0] == step else None
+
+    def start(self, step: int, carrier: dict) -> list:
+        """The refs of ``step``'s start: the ones sent ahead, or sent now."""
+        if self._ahead is not None:
+            ahead, refs, _ = self._ahead
+            if ahead != step:
+                raise RuntimeError(f"step {ahead} was started ahead, but step {step} is next")
+            self._ahead = None
+        else:
+            commit, self.commit_pending = self.commit_pending, False
+            refs = self.group.submit(START, self.loss_fn, commit, _otel_carrier=carrier)
+        self._sent = list(refs)
+        return refs
+
+    def finish(self, carrier: dict) -> list:
+        refs = self.group.submit(FINISH, _otel_carrier=carrier)
+        self._sent += refs
+        return refs
+
+    def send_ahead(self, step: int, *, commit: bool, attempt: int | None, job: Any) -> None:
+        """Send ``step``'s start now, queued behind the calls sent so far (the current step's
+        finish, or a checkpoint's), in a step span of its own (linked to ``job``); with
+        ``commit`` it commits the current step's batch in the worker if (and only if) that
+        step finished there."""
+        span = start_step_span(step, attempt=attempt, job=job)
+        refs = self.group.submit(START, self.loss_fn, commit, _otel_carrier=carrier_of(span))
+        self._ahead = (step, refs, span)
+
+    def recorded(self) -> None:
+        """The current step is recorded: its batch is committed by the start sent ahead, or
+        by the next start or `flush_commit` when none was."""
+        self.commit_pending = self._ahead is None
+        self._sent = []
+
+    def flush_commit(self) -> None:
+        """Commit the last recorded step's batch now (before a loader state or a close)."""
+        if self.commit_pending:
+            self.commit_pending = False
+            self.group.run("commit_sft_batch", ranks="owners")
+
+    def settle(self) -> None:
+        """Wait (errors ignored) for every call of the current step and of one started ahead,
+        so an abort sent next runs after them and no failed result goes unread."""
+        refs = self._sent + (self._ahead[1] if self._ahead is not None else [])
+        self._sent = []
+        if refs:
+            self.group.settle(refs, SETTLE_TIMEOUT_S)
+
+    def drop_ahead(self) -> bool:
+        """Undo a start sent ahead (wait for it, then abort the step and the batch it opened;
+        its span ends marked discarded); True when there was one. The loader keeps the
+        commit the start made."""
+        if self._ahead is None:
+            return False
+        self.settle()
+        span = self._ahead[2]
+        self._ahead = None
+        span.set_attribute("sft.discarded", True)
+        span.end()
+        self.commit_pending = False
+        self.group.run("abort_train_step")
+        self.group.run("abort_sft_batch", ranks="owners")
+        return True

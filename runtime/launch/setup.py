@@ -1,0 +1,227 @@
+"""`setup_sft_v2`: everything the controller needs, built in the driver.
+
+Config checks that need no cluster already ran when `MasterConfig` was built; here come
+the ones that need the workers (the placement plan, the DP size) and the resume state.
+Whatever fails, nothing is left behind: workers and placement group are torn down.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sft_runtime.events.errors import EventLogLocked
+from sft_runtime.events.log import LOCK_NAME, acquire_lock, lock_holder
+from sft_runtime.runtime.checkpoint.resume import find_resume_point
+from sft_runtime.runtime.checkpoint.store import CheckpointDir
+from sft_runtime.runtime.config import MasterConfig, checkpoint_root
+from sft_runtime.runtime.data.integrity import check_sample_type
+from sft_runtime.runtime.data.placement import DataLoaderPlacementPlan, build_placement_plan
+from sft_runtime.runtime.data.tokenizer import build_tokenizer
+from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.launch.liveness import driver_alive, driver_identity
+from sft_runtime.runtime.policy.config import ClusterConfig
+from sft_runtime.states import SFTV2SaveState, initial_save_state
+
+LOCK_WAIT_S = 15.0
+
+
+@dataclass
+class SFTV2ActorArgs:
+    trainer: Any  # PolicyWorkerGroup
+    loss_fn: Any
+    train_cluster: dict[str, Any]
+    placement_plan: DataLoaderPlacementPlan
+    save_state: SFTV2SaveState
+    loader_states: list | None
+
+
+def _initial_save_state(placement_hash: str) -> SFTV2SaveState:
+    return initial_save_state(placement_hash)
+
+
+def _restore_save_state(loaded: Any, *, placement_hash: str) -> SFTV2SaveState:
+    """A checkpoint's save state, refused when the loaders were sharded differently."""
+    state = loaded if isinstance(loaded, SFTV2SaveState) else SFTV2SaveState.from_dict(loaded)
+    if state.placement_hash != placement_hash:
+        raise ValueError(
+            f"the data placement changed since the checkpoint: saved placement_hash "
+            f"{state.placement_hash} != current placement_hash {placement_hash}; resume with "
+            "the same cluster layout, or start a new run directory"
+        )
+    return state
+
+
+def ensure_ray(cluster: ClusterConfig) -> bool:
+    """Connect to ``cluster.address``/RAY_ADDRESS, or start an embedded Ray. True if started.
+
+    ``ray.init`` waits minutes for an address where nothing answers, so a plain TCP probe
+    with a short timeout runs first; a cluster with fewer live nodes than
+    ``cluster.num_nodes`` is refused before anything is placed on it.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        if address != "auto":
+            _probe_address(address, cluster.connect_timeout_s)
+        try:
+            ray.init(address=address, logging_level="WARNING")
+        except Exception as exc:  # noqa: BLE001 - any failure to connect is bad input
+            raise UserInputError(f"cluster.address {address!r}: cannot connect ({exc})") from None
+        try:
+            _check_nodes(cluster, ray.nodes())
+        except UserInputError:
+            ray.shutdown()
+            raise
+        return True
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    needed = cluster.world_size * cluster.cpus_per_worker
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+        include_dashboard=False,
+        logging_level="WARNING",
+    )
+    return True
+
+
+def _probe_address(address: str, timeout_s: float) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserInputError(
+            f"cluster.address {address!r}: expected HOST:PORT of the Ray head (or 'auto')"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UserInputError(
+            f"cluster.address {address!r}: nothing answers at {host}:{port} within "
+            f"{timeout_s:g}s ({exc.strerror or exc}); is `ray start --head` running there?"
+        ) from None
+
+
+def _check_nodes(cluster: ClusterConfig, nodes: list[dict]) -> None:
+    alive = [n for n in nodes if n.get("Alive")]
+    if len(alive) < cluster.num_nodes:
+        raise UserInputError(
+            f"cluster.num_nodes is {cluster.num_nodes} but the Ray cluster has {len(alive)} "
+            "live node(s); start the missing nodes with `ray start --address=HEAD:PORT`"
+        )
+
+
+def probe_run_lock(run_dir: Path, wait_s: float = LOCK_WAIT_S) -> None:
+    """Refuse early when another live run writes this run directory.
+
+    The controller that holds the lock records its driver. When that driver is gone (a run
+    killed a moment ago), its Ray actors still hold the lock for a few seconds before Ray
+    reaps them, so the probe waits up to ``wait_s`` for them; a live driver, or one on
+    another host, means a live run and is refused at once.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fd = acquire_lock(run_dir / LOCK_NAME)
+        except EventLogLocked as exc:
+            if time.monotonic() >= deadline or not _holder_orphaned(run_dir / LOCK_NAME):
+                raise UserInputError(str(exc)) from None
+            time.sleep(0.5)
+            continue
+        os.close(fd)
+        return
+
+
+def _holder_orphaned(lock: Path) -> bool:
+    return driver_alive(lock_holder(lock)) is False
+
+
+def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None) -> SFTV2ActorArgs:
+    """Validate, start or join Ray, build the workers and the placement plan, find the resume."""
+    from sft_runtime.runtime.policy.cluster import PlacementError
+    from sft_runtime.runtime.policy.group import PolicyWorkerGroup
+    from sft_runtime.runtime.policy.loss import NLLLossFn
+
+    config = master_config
+    run_dir = Path(config.logger.log_dir)
+    _check_data_path(config)
+    tokenizer = tokenizer_or_processor or build_tokenizer(config.policy.tokenizer)
+    if (
+        config.policy.model.kind == "transformer"
+        and tokenizer.vocab_size > config.policy.model.vocab_size
+    ):
+        raise UserInputError(
+            f"policy.model.vocab_size ({config.policy.model.vocab_size}) is smaller than the "
+            f"tokenizer's vocabulary ({tokenizer.vocab_size})"
+        )
+    probe_run_lock(run_dir)
+    resume = find_resume_point(run_dir, CheckpointDir(checkpoint_root(config)))
+    ensure_ray(config.cluster)
+    restore = None
+    if resume.step:
+        policy = resume.policy_dir
+        optimizer = policy / "optimizer"
+        restore = {
+            "weights_path": str(policy / "weights"),
+            "optimizer_path": str(optimizer) if optimizer.is_dir() else None,
+            "rng_path": str(policy / "rng"),
+        }
+    try:
+        group = PolicyWorkerGroup(
+            config.policy, config.cluster, seed=config.sft.seed, restore=restore
+        )
+    except PlacementError as exc:
+        raise UserInputError(str(exc)) from None
+    try:
+        plan = build_placement_plan(
+            group.sharding_annotations(), config.data.energon.topology_mapper
+        )
+        n = plan.logical_world_size
+        if config.policy.train_global_batch_size % n:
+            raise UserInputError(
+                f"policy.train_global_batch_size ({config.policy.train_global_batch_size}) must "
+                f"be divisible by the logical data-parallel size ({n})"
+            )
+        if resume.step:
+            try:
+                state = _restore_save_state(resume.save_state, placement_hash=plan.placement_hash)
+            except ValueError as exc:
+                raise UserInputError(str(exc)) from None
+            if len(resume.loader_states) != n:
+                raise UserInputError(
+                    f"{resume.policy_dir.parent}: holds {len(resume.loader_states)} loader "
+                    f"states for {n} logical data-parallel shards"
+                )
+        else:
+            state = _initial_save_state(plan.placement_hash)
+        return SFTV2ActorArgs(
+            trainer=group,
+            loss_fn=NLLLossFn(),
+            train_cluster={
+                "world_size": group.world_size,
+                "node_ids": group.node_ids(),
+                **driver_identity(),
+            },
+            placement_plan=plan,
+            save_state=state,
+            loader_states=resume.loader_states if resume.step else None,
+        )
+    except BaseException:
+        group.shutdown()
+        raise
+
+
+def _check_data_path(config: MasterConfig) -> None:
+    path = Path(config.data.train.path)
+    if not (path / ".nv-meta").is_dir():
+        raise UserInputError(
+            f"data.train.path {str(path)!r} is not a prepared energon data set (no .nv-meta); "
+            "create one with `sft-runtime demo-data DIR` or `sft-runtime prepare-data IN.jsonl DIR`"
+        )
+    check_sample_type(path)

@@ -1,0 +1,318 @@
+"""Data-parallel policy workers on a real local Ray with real gloo (2 CPU workers).
+
+One worker group trains 10 steps straight (checkpointing after step 5) and is compared
+with a single process trained on the same global batches; a second, fresh group resumes
+from the step-5 checkpoint and must reproduce steps 6-10 bit for bit. The abort and
+dead-worker tests reuse those groups, the latter last, since it breaks its group.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import ray
+import torch
+from ray.util import placement_group_table
+
+from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy.cluster import PlacementError
+from sft_runtime.runtime.policy.group import PolicyWorkerError, PolicyWorkerGroup
+from sft_runtime.runtime.policy.loss import NLLLossFn
+from sft_runtime.runtime.policy.model import TinyTransformer
+from sft_runtime.runtime.policy.schedule import lr_at
+from tests.support import sources
+
+STEPS, SAVE_AT, WORLD = 10, 5, 2
+
+
+def _factories(world: int) -> list:
+    return [
+        functools.partial(
+            sources.SyntheticSource,
+            sources.SEED,
+            rank,
+            world,
+            rows=sources.ROWS_PER_RANK,
+            seq_len=sources.SEQ_LEN,
+            vocab_size=sources.VOCAB,
+        )
+        for rank in range(world)
+    ]
+
+
+def _step(group: PolicyWorkerGroup) -> list[dict]:
+    """One controller-style step: load, begin/train/finish, commit."""
+    group.load_batches()
+    results = group.train_step(NLLLossFn())
+    group.commit_batches()
+    return results
+
+
+def _reference_losses(policy, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A single process trained on the stacked global batches (the ground truth)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = TinyTransformer(policy.model)
+    opt_cfg = policy.optimizer
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=opt_cfg.lr,
+        betas=opt_cfg.betas,
+        eps=opt_cfg.eps,
+        weight_decay=opt_cfg.weight_decay,
+    )
+    fn, losses = NLLLossFn(), []
+    for i in range(steps):
+        batch = sources.global_batch(
+            sources.SEED,
+            WORLD,
+            i,
+            rows=sources.ROWS_PER_RANK,
+            seq_len=sources.SEQ_LEN,
+            vocab_size=sources.VOCAB,
+        )
+        total_tokens, total = fn.valid_tokens(batch), 0.0
+        opt.zero_grad()
+        for s in range(0, batch.num_rows, policy.train_micro_batch_size):
+            mb = batch.rows(s, s + policy.train_micro_batch_size)
+            loss, _ = fn(model(mb.input_ids, mb.position_ids, mb.segment_ids), mb, total_tokens)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), policy.max_grad_norm)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i, opt_cfg.lr, policy.scheduler)
+        opt.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def straight(ray_session, policy_cfg, cluster_cfg, tmp_path_factory):
+    """10 steps straight on a 2-worker group, a checkpoint after step 5."""
+    ckpt_dir = tmp_path_factory.mktemp("policy_ckpt") / "step_5" / "policy"
+    group = PolicyWorkerGroup(policy_cfg, cluster_cfg, seed=0, name="test-straight")
+    try:
+        group.setup_loaders(_factories(WORLD))
+        group.run("prepare_for_training")
+        steps, loader_states = [], None
+        for step in range(1, STEPS + 1):
+            steps.append(_step(group))
+            if step == SAVE_AT:
+                group.save_checkpoint(
+                    str(ckpt_dir / "weights"), str(ckpt_dir / "optimizer"), None, False
+                )
+                loader_states = group.loader_states()
+        yield {
+            "group": group,
+            "steps": steps,
+            "ckpt": ckpt_dir,
+            "loader_states": loader_states,
+            "weights": group.run("get_weights"),
+            "optimizer": group.run("get_optimizer_state"),
+        }
+    finally:
+        group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def resumed(straight, policy_cfg, cluster_cfg):
+    """Fresh actors that load the step-5 checkpoint and train steps 6-10."""
+    ckpt_dir = straight["ckpt"]
+    group = PolicyWorkerGroup(
+        policy_cfg,
+        cluster_cfg,
+        seed=123,  # a different seed: everything must come from the checkpoint
+        name="test-resumed",
+        restore={
+            "weights_path": str(ckpt_dir / "weights"),
+            "optimizer_path": str(ckpt_dir / "optimizer"),
+        },
+    )
+    try:
+        group.setup_loaders(_factories(WORLD), straight["loader_states"])
+        steps = [_step(group) for _ in range(STEPS - SAVE_AT)]
+        yield {"group": group, "steps": steps, "weights": group.run("get_weights")}
+    finally:
+        group.shutdown()
+
+
+def test_dp_training_equals_single_process(straight, policy_cfg):
+    ref_losses, ref_weights = _reference_losses(policy_cfg, STEPS)
+    losses = [s[0]["loss"] for s in straight["steps"]]
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=0)
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(straight["weights"][0][name], ref, rtol=1e-5, atol=1e-6)
+    first = straight["steps"][0][0]
+    assert first["valid_tokens"] == sum(s["local_valid_tokens"] for s in straight["steps"][0])
+    assert len(first["micro_batches"]) == sources.ROWS_PER_RANK // policy_cfg.train_micro_batch_size
+    assert {"forward_backward_s", "allreduce_s", "optimizer_s", "grad_norm", "lr"} <= set(first)
+
+
+def test_replicas_stay_bitwise_identical(straight):
+    for rank_steps in straight["steps"]:
+        assert rank_steps[0]["loss"] == rank_steps[1]["loss"]
+        assert rank_steps[0]["grad_norm"] == rank_steps[1]["grad_norm"]
+    w0, w1 = straight["weights"]
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    o0, o1 = straight["optimizer"]
+    for pid, s0 in o0["optimizer"]["state"].items():
+        assert all(torch.equal(s0[k], o1["optimizer"]["state"][pid][k]) for k in s0)
+
+
+def test_checkpoint_files_load_with_weights_only(straight):
+    ckpt_dir = straight["ckpt"]
+    state = torch.load(ckpt_dir / "optimizer" / "optimizer.pt", weights_only=True)
+    assert state["scheduler"]["steps_done"] == SAVE_AT
+    assert (ckpt_dir / "weights" / "model.safetensors").exists()
+    for rank in range(WORLD):
+        rng = torch.load(ckpt_dir / "rng" / f"rank_{rank}.pt", weights_only=True)
+        assert rng["num_threads"] == 1
+    assert not list(ckpt_dir.rglob("*.tmp.*"))
+
+
+def test_resume_from_step_5_is_bitwise_exact(straight, resumed):
+    want = [s[0]["loss"] for s in straight["steps"][SAVE_AT:]]
+    got = [s[0]["loss"] for s in resumed["steps"]]
+    assert got == want  # exact float equality, every step
+    for rank in range(WORLD):
+        w_straight, w_resumed = straight["weights"][rank], resumed["weights"][rank]
+        assert all(torch.equal(w_straight[k], w_resumed[k]) for k in w_straight)
+
+
+def test_abort_leaves_weights_and_optimizer_bitwise_unchanged(straight):
+    group = straight["group"]
+    before_w, before_o = group.run("get_weights"), group.run("get_optimizer_state")
+    envelopes = group.load_batches()
+    group.run("begin_train_step", NLLLossFn())
+    group.run("train_step")
+    group.abort_train_step()
+    group.abort_batches()
+    after_w, after_o = group.run("get_weights"), group.run("get_optimizer_state")
+    for b, a in zip(before_w + before_o, after_w + after_o, strict=True):
+        _assert_tree_equal(b, a)
+    # the aborted batch is delivered again and trains normally
+    assert group.load_batches()[0].source_ids == envelopes[0].source_ids
+    results = group.train_step(NLLLossFn())
+    group.commit_batches()
+    assert results[0]["step"] == STEPS + 1
+
+
+def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight):
+    """The controller's calls: `start_sft_step` (commit previous, load, begin, train) and
+    `finish_train_step`, with the next start queued behind a finish.
+
+    A rank whose forward pass raises fails its start in "train" and the queued finish refuses
+    on every rank (no process-group timeout); weights stay bitwise unchanged. A start whose
+    previous step did not finish commits nothing.
+    """
+    group = straight["group"]
+    before_w = group.run("get_weights")
+    started = group.submit("start_sft_step", sources.LossFailingOnRank(1), False)
+    finish = group.submit("finish_train_step")
+    with pytest.raises(PolicyWorkerError, match="loss blew up on rank 1") as info:
+        group.wait("start_sft_step", started)
+    assert info.value.phase == "train" and info.value.ranks == [1]
+    with pytest.raises(PolicyWorkerError, match="no trained step|before a successful"):
+        group.wait("finish_train_step", finish)  # refused, not a process-group timeout
+    # the failed step is still open: a start asked to commit its batch refuses, on every rank
+    with pytest.raises(PolicyWorkerError, match="did not finish") as info:
+        group.run("start_sft_step", NLLLossFn(), True)
+    assert info.value.phase == "loading" and sorted(info.value.ranks) == [0, 1]
+    group.abort_train_step()
+    group.abort_batches()
+    for b, a in zip(before_w, group.run("get_weights"), strict=True):
+        _assert_tree_equal(b, a)
+    # step, then the next start queued behind its finish (committing its batch): one wait
+    envelopes = group.load_batches()
+    group.abort_batches()
+    refs = group.submit("start_sft_step", NLLLossFn(), False)
+    refs += group.submit("finish_train_step")
+    refs += group.submit("start_sft_step", NLLLossFn(), True)
+    refs += group.submit("finish_train_step")
+    first, done1, second, done2 = (
+        group.wait("step", refs)[i : i + WORLD] for i in range(0, 4 * WORLD, WORLD)
+    )
+    assert [o["envelope"].source_ids for o in first] == [e.source_ids for e in envelopes]
+    assert second[0]["envelope"].source_ids != first[0]["envelope"].source_ids
+    assert done2[0]["step"] == done1[0]["step"] + 1
+    group.commit_batches()
+
+
+def test_restore_refuses_another_thread_count_and_cleans_up(straight, policy_cfg, cluster_cfg):
+    ckpt_dir = straight["ckpt"]
+    cluster = cluster_cfg.model_copy(update={"num_threads_per_worker": 2})
+    before = _live_placement_groups()
+    with pytest.raises(UserInputError, match="num_threads_per_worker=1"):
+        PolicyWorkerGroup(
+            policy_cfg,
+            cluster,
+            name="test-threads",
+            restore={"weights_path": str(ckpt_dir / "weights")},
+        )
+    assert _live_placement_groups() == before
+
+
+def test_unplaceable_group_fails_naming_the_resources(ray_session, policy_cfg, cluster_cfg):
+    cluster = cluster_cfg.model_copy(update={"cpus_per_worker": 64.0, "placement_timeout_s": 1})
+    before = _live_placement_groups()
+    with pytest.raises(PlacementError, match=r"CPU: need 128.*cluster\.cpus_per_worker"):
+        PolicyWorkerGroup(policy_cfg, cluster, name="test-unplaceable")
+    assert _live_placement_groups() == before
+
+
+def test_dead_worker_fails_the_step_and_shutdown_cleans_up(resumed):
+    group = resumed["group"]
+    group.load_batches()
+    group.run("begin_train_step", NLLLossFn())
+    group.run("train_step")
+    # rank 0 enters the gradient all-reduce, then its peer dies mid-step
+    pending = group.submit("finish_train_step", ranks=[0])
+    ray.kill(group.workers[1], no_restart=True)
+    with pytest.raises(PolicyWorkerError) as info:
+        group.wait("finish_train_step", pending)
+    assert info.value.ranks == [0]
+    with pytest.raises(PolicyWorkerError, match="rank 1: worker died") as info:
+        group.run("abort_train_step")
+    assert 1 in info.value.ranks
+    actor_ids = [w._actor_id.hex() for w in group.workers]
+    pg_id = group.placement_group.id.hex()
+    group.shutdown()
+    group.shutdown()  # idempotent
+    assert placement_group_table()[pg_id]["state"] == "REMOVED"
+    assert _eventually(lambda: all(_actor_state(a) == "DEAD" for a in actor_ids))
+    with pytest.raises(PolicyWorkerError, match="shut down"):
+        group.run("ping")
+
+
+def _live_placement_groups() -> set[str]:
+    return {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+
+
+def _actor_state(actor_id: str) -> str:
+    return ray._private.state.actors().get(actor_id, {}).get("State", "UNKNOWN")
+
+
+def _eventually(check, tries: int = 100) -> bool:
+    """Poll a condition that Ray settles asynchronously (bounded, not a timing assertion)."""
+    for _ in range(tries):
+        if check():
+            return True
+        time.sleep(0.1)
+    return check()
+
+
+def _assert_tree_equal(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_tree_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_tree_equal(x, y)
+    else:
+        assert a == b

@@ -1,0 +1,42 @@
+"""The small run config shared by the controller tests (conftest module names clash)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sft_runtime.runtime.config import MasterConfig, apply_override, validate_config
+
+
+def small_raw(run_dir: Path, data_dir: Path, steps: int = 6) -> dict[str, Any]:
+    return {
+        "policy": {
+            "model": {
+                "vocab_size": 264,
+                "d_model": 32,
+                "n_layers": 1,
+                "n_heads": 2,
+                "max_seq_len": 64,
+            },
+            "train_global_batch_size": 8,
+            "train_micro_batch_size": 2,
+            "optimizer": {"lr": 3e-3},
+            "make_sequence_length_divisible_by": 8,
+        },
+        "data": {
+            "max_input_seq_length": 64,
+            "train": {"path": str(data_dir), "virtual_epoch_length": 32},
+            "energon": {"num_workers": 0, "shuffle_buffer_size": None},
+        },
+        "sft": {"max_num_steps": steps, "max_num_epochs": 5, "seed": 7},
+        "logger": {"log_dir": str(run_dir)},
+        "cluster": {"workers_per_node": 2, "cpus_per_worker": 0.5, "call_timeout_s": 120},
+        "checkpointing": {"enabled": True, "save_period": 3, "metric_name": "train:loss"},
+    }
+
+
+def small_config(run_dir: Path, data_dir: Path, steps: int = 6, *overrides: str) -> MasterConfig:
+    raw = small_raw(run_dir, data_dir, steps)
+    for item in overrides:
+        apply_override(raw, item)
+    return validate_config(raw)

@@ -1,0 +1,118 @@
+"""Every config rule fails before Ray starts, naming the key and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sft_runtime.runtime.cli.demo import demo_config
+from sft_runtime.runtime.config import (
+    _max_train_steps,
+    apply_override,
+    load_config,
+    validate_config,
+)
+from sft_runtime.runtime.errors import UserInputError
+from tests.support.small_run import small_raw
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _raw(**overrides):
+    raw = small_raw(Path("/tmp/run"), Path("/tmp/data"))
+    for key, value in overrides.items():
+        apply_override(raw, f"{key}={value}")
+    return raw
+
+
+def test_max_train_steps_is_the_smaller_budget():
+    config = validate_config(
+        _raw(
+            **{
+                "sft.max_num_steps": 100,
+                "sft.max_num_epochs": 3,
+                "data.train.virtual_epoch_length": 7,
+            }
+        )
+    )
+    assert _max_train_steps(config) == 21
+    config = validate_config(_raw(**{"sft.max_num_steps": 5}))
+    assert _max_train_steps(config) == 5
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("data.backend", "webdataset", "data.backend"),
+        ("data.max_input_seq_length", "null", "data.max_input_seq_length"),
+        ("data.train.virtual_epoch_length", "0", "data.train.virtual_epoch_length"),
+        ("sft.val_period", "5", "sft.val_period=0"),
+        ("sft.val_at_start", "true", "sft.val_at_start=false"),
+        ("sft.val_at_end", "true", "sft.val_at_end=false"),
+        ("data.validation", "{path: /x}", "data.validation=null"),
+        ("checkpointing.metric_name", "loss", "'train:<metric>'"),
+        ("checkpointing.metric_name", "val:loss", "'train:<metric>'"),
+        ("data.energon.packing_buffer_size", "16", "policy.sequence_packing.enabled"),
+        ("policy.sequence_packing.algorithm", "best_fit", "policy.sequence_packing.algorithm"),
+        ("checkpointing.checkpoint_must_save_by", "3h", "DD:HH:MM:SS"),
+        ("checkpointing.checkpoint_must_save_by", "00:25:00:00", "hours < 24"),
+        ("policy.model.max_seq_len", "32", "policy.model.max_seq_len"),
+        ("sft.max_num_steps", "0", "sft.max_num_steps"),
+        ("cluster.num_nodes", "2", "checkpointing.checkpoint_dir"),
+    ],
+)
+def test_each_rule_names_its_key(key, value, expected):
+    with pytest.raises(UserInputError) as err:
+        validate_config(_raw(**{key: value}))
+    assert expected in str(err.value)
+
+
+def test_packing_needs_a_length_divisible_by_the_pad_multiple():
+    raw = _raw(
+        **{
+            "policy.sequence_packing.enabled": "true",
+            "policy.make_sequence_length_divisible_by": "7",
+        }
+    )
+    with pytest.raises(UserInputError, match="divisible by policy.make_sequence_length"):
+        validate_config(raw)
+    raw["policy"]["make_sequence_length_divisible_by"] = 8
+    assert validate_config(raw).policy.sequence_packing.enabled
+
+
+def test_unknown_keys_name_the_path_and_the_nearest_valid_name():
+    with pytest.raises(UserInputError) as err:
+        validate_config(_raw(**{"policy.optimzer.lr": "0.1", "checkpointing.save_perod": "3"}))
+    text = str(err.value)
+    assert "policy.optimzer: unknown key (did you mean 'policy.optimizer'?)" in text
+    assert (
+        "checkpointing.save_perod: unknown key (did you mean 'checkpointing.save_period'?)" in text
+    )
+
+
+def test_yaml_file_overrides_and_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_raw()))
+    config = load_config(path, ["sft.max_num_steps=20", "policy.optimizer.lr=0.5"])
+    assert config.sft.max_num_steps == 20 and config.policy.optimizer.lr == 0.5
+    with pytest.raises(UserInputError, match="expected dotted.key=value"):
+        load_config(path, ["sft.max_num_steps"])
+    path.write_text("sft:\n  max_num_steps: [1\n")
+    with pytest.raises(UserInputError, match=r"c.yaml line \d+: invalid YAML"):
+        load_config(path)
+    with pytest.raises(UserInputError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_deadline_parses_to_seconds():
+    config = validate_config(_raw(**{"checkpointing.checkpoint_must_save_by": "01:02:03:04"}))
+    assert config.checkpointing.deadline_seconds == ((24 + 2) * 60 + 3) * 60 + 4
+
+
+def test_examples_demo_yaml_matches_the_demo_config():
+    example = load_config(ROOT / "examples" / "demo.yaml")
+    built = demo_config(Path("runs/demo-yaml"), Path("data/demo"), steps=150)
+    assert example.model_dump() == built.model_dump()
+    load_config(ROOT / "examples" / "multinode.yaml")

@@ -1,0 +1,193 @@
+"""Error paths of the controller loop, with a scripted stand-in for the worker group.
+
+The real group is exercised end to end in test_end_to_end.py; here a stub lets a test make
+one phase fail and check what the controller undoes, records and re-raises.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from sft_runtime.events import read_log
+from sft_runtime.runtime.controller.loop import SFTController
+from sft_runtime.runtime.data.batch import StepEnvelope
+from sft_runtime.runtime.data.placement import build_placement_plan
+from sft_runtime.runtime.launch.setup import SFTV2ActorArgs
+from sft_runtime.runtime.policy.group import PolicyWorkerError
+from sft_runtime.states import SFTV2SaveState
+from tests.support.small_run import small_config
+
+
+class StubGroup:
+    """Answers the controller's calls like two healthy workers, unless told to fail."""
+
+    owner_ranks = [0, 1]
+
+    def __init__(self, fail: dict[str, Exception] | None = None) -> None:
+        self.fail = fail or {}
+        self.calls: list[str] = []
+
+    def _answer(self, method: str, rank: int):
+        if method == "start_sft_step":
+            envelope = StepEnvelope(rank, 2, [f"s{rank}"], ["input_ids"], [10], 0.001, 9, 1)
+            return {"envelope": envelope, "begin_s": 0.0, "forward_backward_s": 0.01}
+        if method == "finish_train_step":
+            return {"loss": 2.0, "grad_norm": 1.0, "lr": 0.1, "valid_tokens": 18}
+        if method == "sft_dataloader_state_bytes":
+            return f"state of rank {rank}".encode()
+        return None
+
+    def _error(self, method: str, args: tuple) -> Exception | None:
+        if method == "start_sft_step" and args[1]:  # it commits the previous step's batch
+            self.calls.append("commit_sft_batch")
+            if "commit_sft_batch" in self.fail:
+                return self.fail["commit_sft_batch"]
+        return self.fail.get(method)
+
+    def run(self, method, *args, ranks="all", **kwargs):
+        return self.wait(method, self.submit(method, *args, **kwargs))
+
+    def submit(self, method, *args, **kwargs):
+        self.calls.append(method)
+        error = self._error(method, args)
+        return [(r, (method, r, error)) for r in (0, 1)]
+
+    def wait(self, method, refs, timeout_s=None):
+        for _, (_, _, error) in refs:
+            if error is not None:
+                raise error
+        return [self._answer(m, r) for _, (m, r, _) in refs]
+
+    def settle(self, refs, timeout_s):
+        self.calls.append("settle")
+
+    def setup_loaders(self, factories, restored=None):
+        self.calls.append("setup_sft_dataloader")
+
+
+def _controller(tmp_path: Path, group: StubGroup, *overrides: str, total_steps: int = 0):
+    config = small_config(tmp_path / "run", tmp_path / "data", 4, *overrides)
+    plan = build_placement_plan(
+        {"data_parallel": 2, "tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1}
+    )
+    args = SFTV2ActorArgs(
+        trainer=group,
+        loss_fn=None,
+        train_cluster={},
+        placement_plan=plan,
+        save_state=SFTV2SaveState(total_steps, 0, 0, plan.placement_hash),
+        loader_states=None,
+    )
+    return SFTController(config, args), tmp_path / "run"
+
+
+def _types(run_dir: Path) -> list[str]:
+    return [r.type for r in read_log(run_dir, validate=True)]
+
+
+def test_a_failing_train_step_is_undone_recorded_and_reraised(tmp_path):
+    boom = PolicyWorkerError("rank 1 exploded", [1], phase="train")
+    group = StubGroup({"start_sft_step": boom})
+    controller, run_dir = _controller(tmp_path, group)
+    with pytest.raises(RuntimeError) as err:
+        controller.run()
+    assert err.value is boom
+    assert "abort_train_step" in group.calls and "abort_sft_batch" in group.calls
+    # the calls already sent (finish, the next step's start) are waited for before the aborts
+    assert group.calls.index("settle") < group.calls.index("abort_train_step")
+    records = list(read_log(run_dir))
+    aborted = [r for r in records if r.type == "step_aborted"]
+    assert [(a.data["step"], a.data["phase"], a.data["error"]) for a in aborted] == [
+        (1, "train", "rank 1 exploded")
+    ]
+    assert records[-1].type == "run_stopped" and records[-1].data["reason"] == "failed"
+    assert "rank 1 exploded" in records[-1].data["error"]
+
+
+def test_cleanup_failures_warn_and_keep_the_original_error(tmp_path):
+    boom = PolicyWorkerError("the original", [0], phase="loading")
+    group = StubGroup(
+        {
+            "start_sft_step": boom,
+            "abort_sft_batch": OSError("abort failed too"),
+            "close_sft_dataloader": OSError("close failed too"),
+        }
+    )
+    controller, run_dir = _controller(tmp_path, group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(PolicyWorkerError, match="the original"):
+            controller.run()
+    messages = [str(w.message) for w in caught]
+    assert any("abort the loader batches" in m for m in messages)
+    assert any("close the loaders" in m for m in messages)
+    assert _types(run_dir)[-2:] == ["step_aborted", "run_stopped"]
+    aborted = [r.data for r in read_log(run_dir) if r.type == "step_aborted"]
+    assert aborted[0]["phase"] == "loading"
+
+
+def test_a_loader_commit_failure_fails_the_next_step_before_it_counts(tmp_path):
+    """The commit is sent without waiting; its error surfaces at the next step's first wait,
+    which is aborted (nothing of it is counted) and recorded, and the run fails."""
+    group = StubGroup({"commit_sft_batch": RuntimeError("commit failed")})
+    controller, run_dir = _controller(tmp_path, group)
+    with pytest.raises(RuntimeError, match="commit failed"):
+        controller.run()
+    assert "abort_train_step" in group.calls and "abort_sft_batch" in group.calls
+    records = list(read_log(run_dir))
+    assert [r.data["step"] for r in records if r.type == "step_committed"] == [1]
+    aborted = [r.data for r in records if r.type == "step_aborted"]
+    assert [(a["step"], a["phase"]) for a in aborted] == [(2, "loading")]
+    assert "commit failed" in aborted[0]["error"]
+    assert records[-1].type == "run_stopped" and records[-1].data["reason"] == "failed"
+
+
+def test_unknown_checkpoint_metric_fails_at_step_one_listing_the_known(tmp_path):
+    controller, run_dir = _controller(
+        tmp_path, StubGroup(), "checkpointing.metric_name=train:accuracy"
+    )
+    with pytest.raises(Exception, match="available: .*train:loss"):
+        controller.run()
+    aborted = [r for r in read_log(run_dir) if r.type == "step_aborted"]
+    assert aborted[0].data["step"] == 1 and aborted[0].data["phase"] == "metrics"
+
+
+def test_a_run_whose_budget_is_reached_trains_nothing(tmp_path):
+    group = StubGroup()
+    controller, run_dir = _controller(tmp_path, group, total_steps=4)
+    summary = controller.run()
+    assert summary["steps_run"] == 0 and summary["reason"] == "completed"
+    assert "start_sft_step" not in group.calls
+    assert _types(run_dir) == ["run_started", "loaders_ready", "run_stopped"]
+
+
+def test_a_stop_undoes_the_start_sent_ahead_before_the_final_checkpoint(tmp_path):
+    """Step 2's start goes out with step 1's finish; a stop that arrives meanwhile waits for it
+    and aborts it (weights, RNG and loader as before) before the final checkpoint."""
+
+    class StopDuringStep1(StubGroup):
+        controller = None
+
+        def wait(self, method, refs, timeout_s=None):
+            if method == "start_sft_step":
+                self.controller.request_stop()
+            return super().wait(method, refs, timeout_s)
+
+    group = StopDuringStep1()
+    controller, run_dir = _controller(tmp_path, group)
+    group.controller = controller
+    summary = controller.run()
+    assert summary["reason"] == "interrupted" and summary["total_steps"] == 1
+    calls = group.calls
+    assert calls.count("start_sft_step") == 2  # step 1's, and step 2's sent ahead
+    undo = calls.index("settle")
+    assert calls[undo : undo + 3] == ["settle", "abort_train_step", "abort_sft_batch"]
+    assert undo < calls.index("sft_dataloader_state_bytes")  # the checkpoint comes after
+    ahead = calls.index("finish_train_step") + 1  # sent with step 1's finish, commits its batch
+    assert calls[ahead : ahead + 2] == ["start_sft_step", "commit_sft_batch"]
+    records = list(read_log(run_dir))
+    assert [r.data["step"] for r in records if r.type == "step_committed"] == [1]
+    assert [r.data["step"] for r in records if r.type == "checkpoint_saved"] == [1]

@@ -1,0 +1,76 @@
+"""The seed names of DESIGN.md exist with the promised behaviour."""
+
+from __future__ import annotations
+
+import pytest
+
+import sft_runtime.runtime.sft_v2 as sft_v2
+from sft_runtime.states import SFTV2SaveState
+
+
+def test_module_offers_the_seed_names():
+    assert sft_v2.__all__ == [
+        "MasterConfig",
+        "SFTSingleControllerActor",
+        "SFTV2ActorArgs",
+        "SFTV2SaveState",
+        "setup_sft_v2",
+    ]
+    assert sft_v2.LOADER_LATENCY_MAX_KEY == "loader_latency_max"
+    assert sft_v2.POLICY_TIME_KEY == "policy_time"
+    assert sft_v2.TOTAL_STEP_TIME_KEY == "total_step_time"
+    assert sft_v2.VALID_TOKENS_PER_SECOND_KEY == "valid_tokens_per_second"
+    teed = {m.key: (m.instrument, m.unit) for m in sft_v2.SFT_V2_TEED_METRICS}
+    assert teed == {
+        "loader_latency_max": ("rl.sft_v2.loader.latency.max", "s"),
+        "policy_time": ("rl.sft_v2.policy.duration", "s"),
+        "total_step_time": ("rl.sft_v2.step.duration", "s"),
+        "valid_tokens_per_second": ("rl.sft_v2.valid_tokens_per_second", "{token}/s"),
+    }
+    for name in (
+        "run",
+        "run_with_trace_context",
+        "_setup_loaders",
+        "_load_envelopes",
+        "_run_train_step",
+        "_policy_metrics",
+        "_owner_call",
+        "_loader_state_dicts",
+        "_should_save",
+        "_checkpoint_metric",
+        "_save_checkpoint",
+        "_close_loaders",
+    ):
+        assert callable(getattr(sft_v2.SFTController, name))
+    fields = set(sft_v2.SFTV2ActorArgs.__dataclass_fields__)
+    assert fields == {
+        "trainer",
+        "loss_fn",
+        "train_cluster",
+        "placement_plan",
+        "save_state",
+        "loader_states",
+    }
+
+
+def test_initial_and_restored_save_state():
+    state = sft_v2._initial_save_state("abc")
+    assert state == SFTV2SaveState(0, 0, 0, "abc")
+    saved = {
+        "total_steps": 5,
+        "consumed_samples": 40,
+        "total_valid_tokens": 900,
+        "placement_hash": "abc",
+    }
+    assert sft_v2._restore_save_state(saved, placement_hash="abc").total_steps == 5
+
+
+def test_restore_refuses_a_changed_placement_naming_both_hashes():
+    saved = {
+        "total_steps": 5,
+        "consumed_samples": 40,
+        "total_valid_tokens": 900,
+        "placement_hash": "old1",
+    }
+    with pytest.raises(ValueError, match="old1.*new2"):
+        sft_v2._restore_save_state(saved, placement_hash="new2")

@@ -1,0 +1,64 @@
+"""Data config sections and the resolved LoaderSpec."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from pydantic import ValidationError
+
+from sft_runtime.runtime.data.config import (
+    DataConfig,
+    LoaderSpec,
+    SequencePackingConfig,
+    build_loader_spec,
+)
+from sft_runtime.runtime.errors import UserInputError
+
+SECTION = {
+    "max_input_seq_length": 128,
+    "train": {"path": "/data/chat", "virtual_epoch_length": 10},
+    "energon": {"shuffle_buffer_size": 64},
+}
+
+
+def test_defaults_and_unknown_keys():
+    data = DataConfig.model_validate(SECTION)
+    assert data.backend == "energon" and data.train.split == "train"
+    assert data.energon.num_workers == 0 and data.energon.packing_buffer_size is None
+    with pytest.raises(ValidationError, match="shuffle_bufer_size"):
+        DataConfig.model_validate({**SECTION, "energon": {"shuffle_bufer_size": 64}})
+    with pytest.raises(ValidationError, match="virtual_epoch_length"):
+        DataConfig.model_validate({**SECTION, "train": {"path": "/x"}})
+
+
+def test_spec_splits_the_global_batch_and_is_picklable():
+    data = DataConfig.model_validate(SECTION)
+    spec = build_loader_spec(data, global_batch_size=16, logical_world_size=4, seed=3)
+    assert spec.batch_size == 4 and spec.seed == 3 and not spec.packing
+    assert spec.shuffle_buffer_size == 64 and spec.virtual_epoch_length == 10
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    with pytest.raises(UserInputError, match="multiple of the data-parallel size"):
+        build_loader_spec(data, global_batch_size=10, logical_world_size=4)
+
+
+def test_packing_settings_resolve():
+    data = DataConfig.model_validate(SECTION)
+    packing = SequencePackingConfig(
+        enabled=True, algorithm="greedy_knapsack", max_sequences_per_bin=3
+    )
+    spec = build_loader_spec(data, global_batch_size=8, logical_world_size=2, packing=packing)
+    assert (spec.packing_algorithm, spec.packing_buffer_size, spec.max_sequences_per_bin) == (
+        "greedy_knapsack",
+        32,
+        3,
+    )
+    with_buffer = DataConfig.model_validate(
+        {**SECTION, "energon": {"shuffle_buffer_size": 64, "packing_buffer_size": 50}}
+    )
+    with pytest.raises(UserInputError, match="sequence_packing.enabled is false"):
+        build_loader_spec(with_buffer, global_batch_size=8, logical_world_size=2)
+    with pytest.raises(ValidationError, match="algorithm"):
+        SequencePackingConfig(enabled=True, algorithm="best_fit")
+    with pytest.raises(ValidationError, match="go together"):
+        LoaderSpec(data_path="x", batch_size=1, max_input_seq_length=8, packing_buffer_size=4)
