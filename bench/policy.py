@@ -217,7 +217,7 @@ class _Group:
         """The controller's sequence for one step; (seconds, fwd/bwd seconds, loss)."""
         t0 = time.perf_counter()
         self.group.load_batches()
-        results = self.group.train_step(self.fn)
+        results = self.group.run_train_step(self.fn)
         self.group.commit_batches()
         return time.perf_counter() - t0, results[0]["forward_backward_s"], results[0]["loss"]
 
@@ -225,9 +225,9 @@ class _Group:
         """Load and train submitted back to back (actor calls run in order): one round trip
         fewer; a failed load makes the step fail on every rank, as it would anyway."""
         t0 = time.perf_counter()
-        refs = self.group.submit("load_next_sft_batch", ranks="owners")
-        train = self.group.submit("run_train_step", self.fn)
-        results = self.group.wait("load+train", refs + train)[len(refs) :]
+        refs = self.group.send_load()
+        train = self.group.send_run_train_step(self.fn)
+        results = self.group.wait(refs + train)[len(refs) :]
         self.group.commit_batches()
         return time.perf_counter() - t0, results[0]["forward_backward_s"], results[0]["loss"]
 
@@ -237,7 +237,7 @@ class _Group:
 
     def close(self) -> list[int]:
         try:
-            return self.group.run("peak_rss_bytes")
+            return self.group.peak_rss_bytes()
         finally:
             self.group.shutdown()
             if self.started:

@@ -1,15 +1,22 @@
-"""Writing one checkpoint directory: policy files, loader states, config, training info.
+"""`Checkpointer`: the run's checkpoints, saved by one object.
 
-Everything goes into ``tmp_step_<N>`` first; `CheckpointDir.commit` fsyncs and renames it,
-so a crash at any moment leaves either a complete ``step_<N>`` or a stale temp directory
-that the next start removes.
+A checkpoint is the policy files (every worker writes its share), the loader states (every
+owner returns its pickled state), the config and ``training_info.json``. Everything goes
+into ``tmp_step_<N>`` first; `CheckpointDir.commit` fsyncs and renames it, so a crash at any
+moment leaves either a complete ``step_<N>`` or a stale temp directory that the next start
+removes.
+
+`Checkpointer.save` does it in one call. The controller uses the same two halves on their
+own (`begin` sends the workers' calls, `CheckpointWrite.complete` waits and commits) so it
+can queue the next step behind the workers' writes in between: the workers go on training
+while the controller finishes the directory.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +25,7 @@ import yaml
 from sft_runtime.events import CheckpointSaved
 from sft_runtime.runtime.checkpoint.loader_states import dumps_loader_states
 from sft_runtime.runtime.checkpoint.store import LOADERS_NAME, CheckpointDir
+from sft_runtime.runtime.config import MasterConfig, run_checkpoints
 from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.states import SFTV2SaveState
@@ -43,101 +51,127 @@ def state_metric(metric_name: str | None, metrics: dict[str, Any]) -> float | No
     return float(metrics[key])
 
 
-def write_checkpoint(
-    ckpt: CheckpointDir,
-    *,
-    save_state: SFTV2SaveState,
-    save_policy: Callable[[Path], list[bytes]],
-    config: dict[str, Any] | str,
-    info: dict[str, Any],
-    attempt: int | None = None,
-) -> Path:
-    """Write and commit ``step_<total_steps>``; the temp directory never survives a failure."""
-    step = save_state.total_steps
-    tmp = ckpt.begin(step)
-    try:
-        loader_states = save_policy(tmp / "policy")
-        fault_point("saving:after_weights", step=step, attempt=attempt)
-        (tmp / LOADERS_NAME).write_bytes(dumps_loader_states(loader_states))
-        (tmp / "config.yaml").write_text(config if isinstance(config, str) else config_yaml(config))
-        full_info = {
-            "format": CHECKPOINT_FORMAT,
-            "step": step,
-            "save_state": save_state.to_dict(),
-            "logical_world_size": len(loader_states),
-            "time": time.time(),
-            **info,
+class Checkpointer:
+    """One run's checkpoints: where they go, what they record, how they are written."""
+
+    def __init__(self, config: MasterConfig, group: Any, store: CheckpointDir | None = None):
+        self.config = config
+        self.group = group
+        self.store = store if store is not None else run_checkpoints(config)
+        self._config_yaml = config_yaml(config.model_dump(mode="json"))  # ~2 ms: once a run
+
+    def metric(self, metrics: dict[str, Any]) -> float | None:
+        """The value checkpoints are ranked by; an unknown name fails at the first step."""
+        return state_metric(self.config.checkpointing.metric_name, metrics)
+
+    def save(self, state: SFTV2SaveState, **kwargs: Any) -> CheckpointSaved:
+        """Write and commit ``step_<total_steps>``; the `checkpoint_saved` event to record."""
+        return self.begin(state, **kwargs).complete()
+
+    def begin(
+        self,
+        state: SFTV2SaveState,
+        *,
+        kinds: tuple[str, ...],
+        metric: float | None,
+        attempt: int | None,
+        final: bool,
+        commit_first: bool = False,
+        carrier: dict | None = None,
+    ) -> CheckpointWrite:
+        """Open ``tmp_step_<N>`` and send the workers' calls in one wave: commit the last
+        step's batches first when no step start carried that commit (``commit_first``),
+        take every owner's loader state, write the policy files."""
+        tmp = self.store.begin(state.total_steps)
+        try:
+            policy = tmp / "policy"
+            optimizer = policy / "optimizer" if self.config.checkpointing.save_optimizer else None
+            commit = self.group.send_commit(carrier=carrier) if commit_first else None
+            states = self.group.send_loader_state_bytes(carrier=carrier)
+            files = self.group.send_save(
+                str(policy / "weights"),
+                None if optimizer is None else str(optimizer),
+                final=final,
+                rng_path=str(policy / "rng"),
+                carrier=carrier,
+            )
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        wave = states + files if commit is None else commit + states + files
+        info = {
+            "kinds": list(kinds),
+            "metric_name": self.config.checkpointing.metric_name,
+            "metric": metric,
+            "attempt": attempt,
+            "num_threads_per_worker": self.config.cluster.num_threads_per_worker,
         }
-        fault_point("saving:before_rename", step=step, attempt=attempt)
-        final = ckpt.commit(step, tmp, full_info)
-        fault_point("saving:after_rename", step=step, attempt=attempt)
-        return final
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(
-            exc.errno,
-            f"could not write checkpoint {ckpt.path(step)} ({exc.strerror or exc}); the "
-            "previous checkpoints and the event log are unchanged",
-        ) from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        first = 0 if commit is None else len(commit)
+        return CheckpointWrite(self, state, tmp, wave, slice(first, first + len(states)), info)
+
+    def prune(self) -> list[int]:
+        """Apply the retention rules; returns the steps removed."""
+        return self.store.prune()
+
+
+@dataclass
+class CheckpointWrite:
+    """A checkpoint whose workers' calls are sent; `complete` finishes it (or nothing of it
+    is left), `discard` gives it up."""
+
+    owner: Checkpointer
+    state: SFTV2SaveState
+    tmp: Path
+    wave: Any  # the workers' calls (`Pending`)
+    loader_results: slice  # where the loader states sit among the wave's results
+    info: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)
+
+    def complete(self) -> CheckpointSaved:
+        """Wait for the workers, write the rest, fsync and rename; the event to record."""
+        store, step, attempt = self.owner.store, self.state.total_steps, self.info["attempt"]
+        try:
+            loader_states = self.owner.group.wait(self.wave)[self.loader_results]
+            fault_point("saving:after_weights", step=step, attempt=attempt)
+            (self.tmp / LOADERS_NAME).write_bytes(dumps_loader_states(loader_states))
+            (self.tmp / "config.yaml").write_text(self.owner._config_yaml)
+            full_info = {
+                "format": CHECKPOINT_FORMAT,
+                "step": step,
+                "save_state": self.state.to_dict(),
+                "logical_world_size": len(loader_states),
+                "time": time.time(),
+                **self.info,
+            }
+            fault_point("saving:before_rename", step=step, attempt=attempt)
+            final = store.commit(step, self.tmp, full_info)
+            fault_point("saving:after_rename", step=step, attempt=attempt)
+        except OSError as exc:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise CheckpointWriteError(
+                exc.errno,
+                f"could not write checkpoint {store.path(step)} ({exc.strerror or exc}); the "
+                "previous checkpoints and the event log are unchanged",
+            ) from exc
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        return saved_event(
+            self.state, final, self.info["metric"], time.perf_counter() - self.started
+        )
+
+    def discard(self) -> None:
+        """Give the checkpoint up: wait (errors ignored) for the workers, drop the files."""
+        self.owner.group.settle(self.wave, DISCARD_WAIT_S)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+DISCARD_WAIT_S = 30.0
 
 
 def config_yaml(config: dict[str, Any]) -> str:
     """The run's config as written into every checkpoint (render once per run: ~2 ms)."""
     return yaml.safe_dump(config, sort_keys=False)
-
-
-def checkpoint_info(
-    config: Any, kinds: tuple[str, ...], metric: float | None, attempt: int | None
-) -> dict[str, Any]:
-    """What ``training_info.json`` records besides the save state."""
-    return {
-        "kinds": list(kinds),
-        "metric_name": config.checkpointing.metric_name,
-        "metric": metric,
-        "attempt": attempt,
-        "num_threads_per_worker": config.cluster.num_threads_per_worker,
-    }
-
-
-def save_policy_files(
-    group: Any,
-    policy_dir: Path,
-    *,
-    save_optimizer: bool,
-    final: bool,
-    carrier: dict,
-    commit_first: bool = False,
-    then: Callable[[], None] | None = None,
-) -> list[bytes]:
-    """Every worker writes its share of the policy files (weights, optimizer, its RNG) and
-    every loader owner returns its pickled state, in one wave of calls and one wait.
-
-    ``commit_first`` commits the last step's batches before the states are taken (a commit
-    that no later step start carried); ``then`` runs once the wave is sent (the controller
-    queues the next step's start behind it). Returns the loader states in owner order.
-    """
-    optimizer = policy_dir / "optimizer" if save_optimizer else None
-    refs = []
-    if commit_first:
-        refs += group.submit("commit_sft_batch", ranks="owners", _otel_carrier=carrier)
-    skip = len(refs)
-    refs += group.submit("sft_dataloader_state_bytes", ranks="owners", _otel_carrier=carrier)
-    states = len(refs) - skip
-    refs += group.submit(
-        "save_checkpoint",
-        str(policy_dir / "weights"),
-        None if optimizer is None else str(optimizer),
-        None,  # the tokenizer spec is in config.yaml
-        final,
-        rng_path=str(policy_dir / "rng"),
-        _otel_carrier=carrier,
-    )
-    if then is not None:
-        then()
-    return group.wait("save_checkpoint", refs)[skip : skip + states]
 
 
 def saved_event(

@@ -20,19 +20,11 @@ from typing import Any
 from opentelemetry import trace
 
 from sft_runtime.events import LoadersReady, RunStarted, open_log
-from sft_runtime.runtime.checkpoint.save import (
-    checkpoint_info,
-    config_yaml,
-    save_policy_files,
-    saved_event,
-    state_metric,
-    write_checkpoint,
-)
+from sft_runtime.runtime.checkpoint.save import Checkpointer
 from sft_runtime.runtime.config import (
     MasterConfig,
     _max_train_steps,
     loader_spec,
-    run_checkpoints,
     step_rules,
 )
 from sft_runtime.runtime.controller.faults import fault_point
@@ -45,7 +37,6 @@ from sft_runtime.runtime.controller.metrics import (
     step_metrics,
 )
 from sft_runtime.runtime.controller.metrics_log import MetricsLogger
-from sft_runtime.runtime.controller.step import START as START_METHOD
 from sft_runtime.runtime.controller.step import StepCalls
 from sft_runtime.runtime.data.factory import build_colocated_loader
 from sft_runtime.runtime.errors import quietly
@@ -76,7 +67,8 @@ class SFTController:
         self.group = actor_args.trainer
         self.plan = actor_args.placement_plan
         self.run_dir = Path(master_config.logger.log_dir)
-        self.ckpt = run_checkpoints(master_config)
+        self.checkpointer = Checkpointer(master_config, self.group)
+        self.ckpt = self.checkpointer.store
         self.max_steps = _max_train_steps(master_config)
         self._stop = threading.Event()
         self._last_metrics: dict[str, Any] = {}
@@ -88,7 +80,6 @@ class SFTController:
         self.model: ControllerModel | None = None
         self.metrics: MetricsLogger | None = None
         self.instruments = StepInstruments(SFT_V2_TEED_METRICS)
-        self._config_yaml = config_yaml(master_config.model_dump(mode="json"))
 
     # -- entry points --------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -172,7 +163,9 @@ class SFTController:
             for c in plan.copies
         ]
         t0 = time.perf_counter()
-        self._all_call("setup_telemetry", cfg.telemetry, str(self.run_dir), self._attempt)
+        self.group.setup_telemetry(
+            cfg.telemetry, str(self.run_dir), self._attempt, carrier=inject_carrier()
+        )
         restored = self.args.loader_states
         depth = cfg.data_plane.max_partitions  # batches an owner may hold: >= 2 prefetches
         self.group.setup_loaders(
@@ -181,7 +174,7 @@ class SFTController:
         fault_point(
             "setup:after_loaders", step=self.model.save_state.total_steps, attempt=self._attempt
         )
-        self._all_call("prepare_for_training")
+        self.group.prepare_for_training(carrier=inject_carrier())
         self.model.loaders_ready(
             event=LoadersReady(
                 owner_ranks=owners,
@@ -247,12 +240,12 @@ class SFTController:
         state = replace(self.model.save_state, total_steps=step)
         if self.model.rules.continues_after(state, time.time(), stopping=self._stop.is_set()):
             self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
-        outs = self.group.wait(START_METHOD, start)
+        outs = self.group.wait(start)
         envelopes = [outs[rank]["envelope"] for rank in self.group.owner_ranks]
         check_envelopes(envelopes, self.plan.logical_world_size)
         fault_point("stepping:after_load", step=step, attempt=self._attempt)
         self.model.batch_loaded()
-        return envelopes, self.group.wait("finish_train_step", finish)
+        return envelopes, self.group.wait(finish)
 
     def _send_ahead_past_save(self, state: Any) -> None:
         """Workers start the next step once their checkpoint files are written, while the
@@ -264,70 +257,64 @@ class SFTController:
     def _load_envelopes(self) -> list:
         """Load on every owner (the step's first phase, fanned out on its own)."""
         self.calls.flush_commit()
-        envelopes = self._owner_call("load_next_sft_batch")
+        envelopes = self.group.load_batches(carrier=inject_carrier())
         check_envelopes(envelopes, self.plan.logical_world_size)
         return envelopes
 
     def _run_train_step(self) -> list[dict[str, Any]]:
         """begin / train / finish on every worker, submitted back to back, one wait."""
         with traced(POLICY_TRAINING_SPAN):
-            carrier, g = inject_carrier(), self.group
-            refs = g.submit("begin_train_step", self.args.loss_fn, _otel_carrier=carrier)
-            refs += g.submit("train_step", _otel_carrier=carrier)
-            refs += g.submit("finish_train_step", _otel_carrier=carrier)
-            return g.wait("train_step", refs)[len(refs) * 2 // 3 :]
+            carrier = inject_carrier()
+            self.group.begin_train_step(self.args.loss_fn, carrier=carrier)
+            self.group.train_step(carrier=carrier)
+            return self.group.finish_train_step(carrier=carrier)
 
     def _policy_metrics(self) -> dict[str, Any]:
         return dict(self._last_metrics)
 
-    def _owner_call(self, method: str, *args: Any) -> list[Any]:
-        return self.group.run(method, *args, ranks="owners", _otel_carrier=inject_carrier())
-
-    def _all_call(self, method: str, *args: Any) -> list[Any]:
-        return self.group.run(method, *args, _otel_carrier=inject_carrier())
+    def _owner_call(self, call: Any) -> Any:
+        """One of the group's loader-owner calls (``self.group.close_loaders``, ...), joined to
+        this span's trace."""
+        return call(carrier=inject_carrier())
 
     def _loader_state_dicts(self) -> list[bytes]:
         """Each owner's loader state, pickled in the worker (see `dump_loader_state`)."""
         self.calls.drop_ahead()
         self.calls.flush_commit()
-        return self._owner_call("sft_dataloader_state_bytes")
+        return self._owner_call(self.group.loader_state_bytes)
 
     def _should_save(self) -> bool:
         return self.model.state is S.saving
 
     def _checkpoint_metric(self, metrics: dict[str, Any]) -> float | None:
         """The value checkpoints are ranked by; an unknown name fails at the first step."""
-        return state_metric(self.config.checkpointing.metric_name, metrics)
+        return self.checkpointer.metric(metrics)
 
     def _save_checkpoint(self) -> None:
+        """Write the checkpoint of the save state; the workers go on to the next step (sent
+        behind their files) while the controller completes the directory."""
         state, rules, attempt = self.model.save_state, self.model.rules, self._attempt
         kinds = rules.save_kinds(state, now=time.time(), stopping=self.model.stop_requested)
         with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
-            t0 = time.perf_counter()
-            metric = self._checkpoint_metric(self._last_metrics) if self._last_metrics else None
             self.calls.drop_ahead()
             commit, self.calls.commit_pending = self.calls.commit_pending, False
-            save_policy = partial(
-                save_policy_files,
-                self.group,
-                save_optimizer=self.config.checkpointing.save_optimizer,
-                final=rules.budget_reached(state),
-                carrier=inject_carrier(),
-                commit_first=commit,
-                then=partial(self._send_ahead_past_save, state),
-            )
-            info = checkpoint_info(self.config, kinds, metric, attempt)
-            path = write_checkpoint(
-                self.ckpt,
+            write = self.checkpointer.begin(
+                state,
+                kinds=kinds,
+                metric=self._checkpoint_metric(self._last_metrics) if self._last_metrics else None,
                 attempt=attempt,
-                save_state=state,
-                save_policy=save_policy,
-                config=self._config_yaml,
-                info=info,
+                final=rules.budget_reached(state),
+                commit_first=commit,
+                carrier=inject_carrier(),
             )
-            self.model.saved(event=saved_event(state, path, metric, time.perf_counter() - t0))
+            try:
+                self._send_ahead_past_save(state)
+            except BaseException:
+                quietly("discard the checkpoint", write.discard)
+                raise
+            self.model.saved(event=write.complete())
         fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
-        quietly("prune old checkpoints", self.ckpt.prune)
+        quietly("prune old checkpoints", self.checkpointer.prune)
         self._t_free = time.perf_counter()  # the next step's time starts after the save
 
     def _abort_step(
@@ -339,9 +326,10 @@ class SFTController:
             policy_open = batch_active = True
             quietly("discard the step started ahead", self.calls.drop_ahead)
         if policy_open:
-            quietly("abort the policy step", lambda: self._all_call("abort_train_step"))
+            abort = self.group.abort_train_step
+            quietly("abort the policy step", lambda: abort(carrier=inject_carrier()))
         if batch_active:
-            quietly("abort the loader batches", lambda: self._owner_call("abort_sft_batch"))
+            quietly("abort the loader batches", lambda: self._owner_call(self.group.abort_batches))
         span = span_ids(trace.get_current_span())
         quietly(
             "record step_aborted",
@@ -353,12 +341,13 @@ class SFTController:
             self.calls.drop_ahead()
             self.calls.flush_commit()
         finally:
-            self._owner_call("close_sft_dataloader")
+            self._owner_call(self.group.close_loaders)
 
     def _close(self, reason: str, error: BaseException | None) -> None:
         """Teardown in order: loaders, logger, checkpoints, telemetry; then run_stopped."""
         quietly("close the loaders", self._close_loaders)
-        quietly("export the workers' spans", lambda: self._all_call("flush_telemetry"))
+        flush = self.group.flush_telemetry
+        quietly("export the workers' spans", lambda: flush(carrier=inject_carrier()))
         if self.metrics is not None:
             quietly("close the metrics logger", self.metrics.close)
         if self.model is not None and self.log is not None:

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from sft_runtime.runtime.policy.calls import Pending
 from sft_runtime.traces.spans import carrier_of, start_step_span
 
-START = "start_sft_step"
-FINISH = "finish_train_step"
 SETTLE_TIMEOUT_S = 30.0
 
 
@@ -35,8 +34,8 @@ class StepCalls:
         self.group = group
         self.loss_fn = loss_fn
         self.commit_pending = False  # the last recorded step's batch still needs a commit
-        self._ahead: tuple[int, list, Any] | None = None  # (step, start refs, its step span)
-        self._sent: list = []  # refs of the current step, for `settle`
+        self._ahead: tuple[int, Pending, Any] | None = None  # (step, its start, its span)
+        self._sent: Pending | None = None  # the current step's calls, for `settle`
 
     @property
     def has_ahead(self) -> bool:
@@ -46,23 +45,23 @@ class StepCalls:
         """The step span of ``step`` when its start was sent ahead (the step runs inside it)."""
         return self._ahead[2] if self._ahead is not None and self._ahead[0] == step else None
 
-    def start(self, step: int, carrier: dict) -> list:
-        """The refs of ``step``'s start: the ones sent ahead, or sent now."""
+    def start(self, step: int, carrier: dict) -> Pending:
+        """``step``'s start: the one sent ahead, or sent now."""
         if self._ahead is not None:
-            ahead, refs, _ = self._ahead
+            ahead, pending, _ = self._ahead
             if ahead != step:
                 raise RuntimeError(f"step {ahead} was started ahead, but step {step} is next")
             self._ahead = None
         else:
             commit, self.commit_pending = self.commit_pending, False
-            refs = self.group.submit(START, self.loss_fn, commit, _otel_carrier=carrier)
-        self._sent = list(refs)
-        return refs
+            pending = self.group.send_start(self.loss_fn, commit, carrier=carrier)
+        self._sent = pending
+        return pending
 
-    def finish(self, carrier: dict) -> list:
-        refs = self.group.submit(FINISH, _otel_carrier=carrier)
-        self._sent += refs
-        return refs
+    def finish(self, carrier: dict) -> Pending:
+        pending = self.group.send_finish(carrier=carrier)
+        self._sent = pending if self._sent is None else self._sent + pending
+        return pending
 
     def send_ahead(self, step: int, *, commit: bool, attempt: int | None, job: Any) -> None:
         """Send ``step``'s start now, queued behind the calls sent so far (the current step's
@@ -70,28 +69,28 @@ class StepCalls:
         ``commit`` it commits the current step's batch in the worker if (and only if) that
         step finished there."""
         span = start_step_span(step, attempt=attempt, job=job)
-        refs = self.group.submit(START, self.loss_fn, commit, _otel_carrier=carrier_of(span))
-        self._ahead = (step, refs, span)
+        pending = self.group.send_start(self.loss_fn, commit, carrier=carrier_of(span))
+        self._ahead = (step, pending, span)
 
     def recorded(self) -> None:
         """The current step is recorded: its batch is committed by the start sent ahead, or
         by the next start or `flush_commit` when none was."""
         self.commit_pending = self._ahead is None
-        self._sent = []
+        self._sent = None
 
     def flush_commit(self) -> None:
         """Commit the last recorded step's batch now (before a loader state or a close)."""
         if self.commit_pending:
             self.commit_pending = False
-            self.group.run("commit_sft_batch", ranks="owners")
+            self.group.commit_batches()
 
     def settle(self) -> None:
         """Wait (errors ignored) for every call of the current step and of one started ahead,
         so an abort sent next runs after them and no failed result goes unread."""
-        refs = self._sent + (self._ahead[1] if self._ahead is not None else [])
-        self._sent = []
-        if refs:
-            self.group.settle(refs, SETTLE_TIMEOUT_S)
+        pending = [p for p in (self._sent, self._ahead and self._ahead[1]) if p]
+        self._sent = None
+        if pending:
+            self.group.settle(sum(pending[1:], pending[0]), SETTLE_TIMEOUT_S)
 
     def drop_ahead(self) -> bool:
         """Undo a start sent ahead (wait for it, then abort the step and the batch it opened;
@@ -105,6 +104,6 @@ class StepCalls:
         span.set_attribute("sft.discarded", True)
         span.end()
         self.commit_pending = False
-        self.group.run("abort_train_step")
-        self.group.run("abort_sft_batch", ranks="owners")
+        self.group.abort_train_step()
+        self.group.abort_batches()
         return True

@@ -1,11 +1,12 @@
 """`PolicyWorkerGroup`: the driver-side handle on the data-parallel policy workers.
 
 It reserves a placement group (one bundle per worker), starts one `PolicyWorker` per DP
-rank, wires them into one torch.distributed group, and fans calls out to them: submit to
-every target worker, then wait on all results at once with one deadline. Results come back
-in rank order. The first failure is raised at once as a `PolicyWorkerError` naming the
-rank(s) and method (a dead actor says so), and a call that has not finished by the deadline
-raises too, so a dead or stuck worker never hangs the caller.
+rank, wires them into one torch.distributed group, and fans the typed calls of
+`WorkerCalls` out to them: submit to every target worker, then wait on all results at once
+with one deadline. Results come back in rank order. The first failure is raised at once as
+a `PolicyWorkerError` naming the rank(s) and method (a dead actor says so), and a call that
+has not finished by the deadline raises too, so a dead or stuck worker never hangs the
+caller.
 
 `shutdown` kills the actors and removes the placement group; it is idempotent and works on
 a half-built group, so constructors and controllers can always call it on the way out.
@@ -14,16 +15,16 @@ a half-built group, so constructors and controllers can always call it on the wa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sft_runtime.runtime.controller.faults import actor_fault_options
-from sft_runtime.runtime.data.batch import BatchSource, StepEnvelope
 from sft_runtime.runtime.errors import PeerStepError, UserInputError
+from sft_runtime.runtime.policy.calls import Pending, Ranks, WorkerCalls
 from sft_runtime.runtime.policy.cluster import (
     create_placement_group,
     remove_placement_group_quietly,
@@ -35,7 +36,7 @@ from sft_runtime.runtime.policy.config import (
     parse_section,
 )
 
-Ranks = Literal["all", "owners"] | Sequence[int]
+__all__ = ["Pending", "PolicyWorkerError", "PolicyWorkerGroup", "PolicyWorkerInputError"]
 
 
 class PolicyWorkerError(RuntimeError):
@@ -54,7 +55,7 @@ class PolicyWorkerInputError(PolicyWorkerError, UserInputError):
     """A worker refused bad user input (a config value, a checkpoint): CLI exit code 2."""
 
 
-class PolicyWorkerGroup:
+class PolicyWorkerGroup(WorkerCalls):
     """One `PolicyWorker` per DP rank, placed by a placement group, joined by gloo/NCCL."""
 
     def __init__(
@@ -81,11 +82,11 @@ class PolicyWorkerGroup:
         try:
             self.placement_group = create_placement_group(self.cluster, name=name)
             self._start_workers(seed)
-            self.run("ping")
-            addr, port = self.run("rendezvous_address", ranks=[0])[0]
-            self.run("init_distributed", addr, port, timeout_s=self.cluster.dist_timeout_s + 30.0)
+            self.ping()
+            addr, port = self._run("rendezvous_address", ranks=[0])[0]
+            self._run("init_distributed", addr, port, timeout_s=self.cluster.dist_timeout_s + 30.0)
             if restore is not None:
-                self.run("load_checkpoint", **restore)
+                self.load_checkpoint(**restore)
         except BaseException:
             self.shutdown()
             raise
@@ -127,14 +128,14 @@ class PolicyWorkerGroup:
         }
 
     # ----------------------------------------------------------------- fan-out
-    def submit(
+    def _submit(
         self,
         method: str,
         *args: Any,
         ranks: Ranks = "all",
         per_rank_args: Sequence[Sequence[Any]] | None = None,
         **kwargs: Any,
-    ) -> list[tuple[int, Any]]:
+    ) -> Pending:
         """Start ``method`` on the target workers; (rank, ObjectRef) pairs in rank order.
 
         ``args``/``kwargs`` go to every target; ``per_rank_args`` (one tuple per target, in
@@ -153,12 +154,11 @@ class PolicyWorkerGroup:
             extra = tuple(per_rank_args[i]) if per_rank_args is not None else ()
             ref = getattr(self.workers[rank], method).remote(*args, *extra, **kwargs)
             refs.append((rank, ref))
-        return refs
+        return Pending(method, refs)
 
-    def wait(
-        self, method: str, refs: list[tuple[int, Any]], timeout_s: float | None = None
-    ) -> list[Any]:
-        """Results of `submit` in rank order; the first failure or the deadline raises."""
+    def _wait(self, pending: Pending, timeout_s: float | None = None) -> list[Any]:
+        """Results of `_submit` in rank order; the first failure or the deadline raises."""
+        method, refs = pending.method, pending.refs
         timeout = self.cluster.call_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         rank_of = {ref: rank for rank, ref in refs}
@@ -190,23 +190,9 @@ class PolicyWorkerGroup:
                 raise _failure(method, failures)
         return [results[ref] for _, ref in refs]
 
-    def settle(self, refs: list[tuple[int, Any]], timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for submitted calls whose results no longer matter (a
-        failed or undone step); their errors are read and dropped."""
+    def _settle(self, pending: Pending, timeout_s: float) -> None:
+        refs = pending.refs
         _settle([ref for _, ref in refs], {ref: rank for rank, ref in refs}, timeout_s)
-
-    def run(
-        self,
-        method: str,
-        *args: Any,
-        ranks: Ranks = "all",
-        per_rank_args: Sequence[Sequence[Any]] | None = None,
-        timeout_s: float | None = None,
-        **kwargs: Any,
-    ) -> list[Any]:
-        """`submit` then `wait`: one fanned-out call, results in rank order."""
-        refs = self.submit(method, *args, ranks=ranks, per_rank_args=per_rank_args, **kwargs)
-        return self.wait(method, refs, timeout_s)
 
     def _targets(self, ranks: Ranks) -> list[int]:
         if ranks == "all":
@@ -218,83 +204,6 @@ class PolicyWorkerGroup:
         if bad:
             raise ValueError(f"ranks {bad} outside 0..{self.world_size - 1}")
         return targets
-
-    # ----------------------------------------------------------------- loaders
-    def setup_loaders(
-        self,
-        factories: Sequence[Callable[[], BatchSource]],
-        restored_states: Sequence[dict | None] | None = None,
-        prefetch_depth: int = 1,
-    ) -> None:
-        """One picklable factory (and optional restored state) per loader-owner rank.
-
-        ``prefetch_depth`` >= 2 makes every owner read that many batches ahead.
-        """
-        states = list(restored_states) if restored_states is not None else [None] * len(factories)
-        self.run(
-            "setup_sft_dataloader",
-            ranks="owners",
-            per_rank_args=list(zip(factories, states, strict=True)),
-            prefetch_depth=prefetch_depth,
-        )
-
-    def load_batches(self) -> list[StepEnvelope]:
-        return self.run("load_next_sft_batch", ranks="owners")
-
-    def commit_batches(self) -> None:
-        self.run("commit_sft_batch", ranks="owners")
-
-    def abort_batches(self) -> None:
-        self.run("abort_sft_batch", ranks="owners")
-
-    def loader_states(self) -> list[dict]:
-        return self.run("sft_dataloader_state_dict", ranks="owners")
-
-    def close_loaders(self) -> None:
-        self.run("close_sft_dataloader", ranks="owners")
-
-    # ----------------------------------------------------------------- training
-    def train_step(self, loss_fn: Any = None, timeout_s: float | None = None) -> list[dict]:
-        """One optimizer step on every worker in a single fanned-out call.
-
-        `PolicyWorker.run_train_step` runs begin, train and finish back to back inside the
-        worker; a controller that wants a span per phase fans out the three phases itself
-        (`run("begin_train_step", loss_fn)`, `run("train_step")`,
-        `run("finish_train_step")`) at the cost of two more round trips. Returns each rank's
-        metrics in rank order. On error the step may be open: call `abort_train_step`.
-        """
-        return self.run("run_train_step", loss_fn, timeout_s=timeout_s)
-
-    def abort_train_step(self) -> list[dict]:
-        return self.run("abort_train_step")
-
-    def save_checkpoint(
-        self,
-        weights_path: str,
-        optimizer_path: str | None = None,
-        tokenizer_path: str | None = None,
-        is_final_checkpoint: bool = False,
-        rng_path: str | None = None,
-    ) -> list[dict]:
-        return self.run(
-            "save_checkpoint",
-            weights_path,
-            optimizer_path,
-            tokenizer_path,
-            is_final_checkpoint,
-            rng_path=rng_path,
-        )
-
-    def load_checkpoint(
-        self,
-        weights_path: str,
-        optimizer_path: str | None = None,
-        rng_path: str | None = None,
-    ) -> list[dict]:
-        return self.run("load_checkpoint", weights_path, optimizer_path, rng_path=rng_path)
-
-    def node_ids(self) -> list[str]:
-        return self.run("node_id")
 
     # ----------------------------------------------------------------- teardown
     def shutdown(self) -> None:

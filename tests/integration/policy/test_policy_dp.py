@@ -45,7 +45,7 @@ def _factories(world: int) -> list:
 def _step(group: PolicyWorkerGroup) -> list[dict]:
     """One controller-style step: load, begin/train/finish, commit."""
     group.load_batches()
-    results = group.train_step(NLLLossFn())
+    results = group.run_train_step(NLLLossFn())
     group.commit_batches()
     return results
 
@@ -95,7 +95,7 @@ def straight(ray_session, policy_cfg, cluster_cfg, tmp_path_factory):
     group = PolicyWorkerGroup(policy_cfg, cluster_cfg, seed=0, name="test-straight")
     try:
         group.setup_loaders(_factories(WORLD))
-        group.run("prepare_for_training")
+        group.prepare_for_training()
         steps, loader_states = [], None
         for step in range(1, STEPS + 1):
             steps.append(_step(group))
@@ -109,8 +109,8 @@ def straight(ray_session, policy_cfg, cluster_cfg, tmp_path_factory):
             "steps": steps,
             "ckpt": ckpt_dir,
             "loader_states": loader_states,
-            "weights": group.run("get_weights"),
-            "optimizer": group.run("get_optimizer_state"),
+            "weights": group.get_weights(),
+            "optimizer": group.get_optimizer_state(),
         }
     finally:
         group.shutdown()
@@ -133,7 +133,7 @@ def resumed(straight, policy_cfg, cluster_cfg):
     try:
         group.setup_loaders(_factories(WORLD), straight["loader_states"])
         steps = [_step(group) for _ in range(STEPS - SAVE_AT)]
-        yield {"group": group, "steps": steps, "weights": group.run("get_weights")}
+        yield {"group": group, "steps": steps, "weights": group.get_weights()}
     finally:
         group.shutdown()
 
@@ -183,18 +183,18 @@ def test_resume_from_step_5_is_bitwise_exact(straight, resumed):
 
 def test_abort_leaves_weights_and_optimizer_bitwise_unchanged(straight):
     group = straight["group"]
-    before_w, before_o = group.run("get_weights"), group.run("get_optimizer_state")
+    before_w, before_o = group.get_weights(), group.get_optimizer_state()
     envelopes = group.load_batches()
-    group.run("begin_train_step", NLLLossFn())
-    group.run("train_step")
+    group.begin_train_step(NLLLossFn())
+    group.train_step()
     group.abort_train_step()
     group.abort_batches()
-    after_w, after_o = group.run("get_weights"), group.run("get_optimizer_state")
+    after_w, after_o = group.get_weights(), group.get_optimizer_state()
     for b, a in zip(before_w + before_o, after_w + after_o, strict=True):
         _assert_tree_equal(b, a)
     # the aborted batch is delivered again and trains normally
     assert group.load_batches()[0].source_ids == envelopes[0].source_ids
-    results = group.train_step(NLLLossFn())
+    results = group.run_train_step(NLLLossFn())
     group.commit_batches()
     assert results[0]["step"] == STEPS + 1
 
@@ -208,31 +208,31 @@ def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight
     previous step did not finish commits nothing.
     """
     group = straight["group"]
-    before_w = group.run("get_weights")
-    started = group.submit("start_sft_step", sources.LossFailingOnRank(1), False)
-    finish = group.submit("finish_train_step")
+    before_w = group.get_weights()
+    started = group.send_start(sources.LossFailingOnRank(1), False)
+    finish = group.send_finish()
     with pytest.raises(PolicyWorkerError, match="loss blew up on rank 1") as info:
-        group.wait("start_sft_step", started)
+        group.wait(started)
     assert info.value.phase == "train" and info.value.ranks == [1]
     with pytest.raises(PolicyWorkerError, match="no trained step|before a successful"):
-        group.wait("finish_train_step", finish)  # refused, not a process-group timeout
+        group.wait(finish)  # refused, not a process-group timeout
     # the failed step is still open: a start asked to commit its batch refuses, on every rank
     with pytest.raises(PolicyWorkerError, match="did not finish") as info:
-        group.run("start_sft_step", NLLLossFn(), True)
+        group.wait(group.send_start(NLLLossFn(), True))
     assert info.value.phase == "loading" and sorted(info.value.ranks) == [0, 1]
     group.abort_train_step()
     group.abort_batches()
-    for b, a in zip(before_w, group.run("get_weights"), strict=True):
+    for b, a in zip(before_w, group.get_weights(), strict=True):
         _assert_tree_equal(b, a)
     # step, then the next start queued behind its finish (committing its batch): one wait
     envelopes = group.load_batches()
     group.abort_batches()
-    refs = group.submit("start_sft_step", NLLLossFn(), False)
-    refs += group.submit("finish_train_step")
-    refs += group.submit("start_sft_step", NLLLossFn(), True)
-    refs += group.submit("finish_train_step")
+    refs = group.send_start(NLLLossFn(), False)
+    refs += group.send_finish()
+    refs += group.send_start(NLLLossFn(), True)
+    refs += group.send_finish()
     first, done1, second, done2 = (
-        group.wait("step", refs)[i : i + WORLD] for i in range(0, 4 * WORLD, WORLD)
+        group.wait(refs)[i : i + WORLD] for i in range(0, 4 * WORLD, WORLD)
     )
     assert [o["envelope"].source_ids for o in first] == [e.source_ids for e in envelopes]
     assert second[0]["envelope"].source_ids != first[0]["envelope"].source_ids
@@ -265,16 +265,16 @@ def test_unplaceable_group_fails_naming_the_resources(ray_session, policy_cfg, c
 def test_dead_worker_fails_the_step_and_shutdown_cleans_up(resumed):
     group = resumed["group"]
     group.load_batches()
-    group.run("begin_train_step", NLLLossFn())
-    group.run("train_step")
+    group.begin_train_step(NLLLossFn())
+    group.train_step()
     # rank 0 enters the gradient all-reduce, then its peer dies mid-step
-    pending = group.submit("finish_train_step", ranks=[0])
+    pending = group.send_finish(ranks=[0])
     ray.kill(group.workers[1], no_restart=True)
     with pytest.raises(PolicyWorkerError) as info:
-        group.wait("finish_train_step", pending)
+        group.wait(pending)
     assert info.value.ranks == [0]
     with pytest.raises(PolicyWorkerError, match="rank 1: worker died") as info:
-        group.run("abort_train_step")
+        group.abort_train_step()
     assert 1 in info.value.ranks
     actor_ids = [w._actor_id.hex() for w in group.workers]
     pg_id = group.placement_group.id.hex()
@@ -283,7 +283,7 @@ def test_dead_worker_fails_the_step_and_shutdown_cleans_up(resumed):
     assert placement_group_table()[pg_id]["state"] == "REMOVED"
     assert _eventually(lambda: all(_actor_state(a) == "DEAD" for a in actor_ids))
     with pytest.raises(PolicyWorkerError, match="shut down"):
-        group.run("ping")
+        group.ping()
 
 
 def _live_placement_groups() -> set[str]:

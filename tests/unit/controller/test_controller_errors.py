@@ -16,13 +16,15 @@ from sft_runtime.runtime.controller.loop import SFTController
 from sft_runtime.runtime.data.batch import StepEnvelope
 from sft_runtime.runtime.data.placement import build_placement_plan
 from sft_runtime.runtime.launch.setup import SFTV2ActorArgs
+from sft_runtime.runtime.policy.calls import Pending, WorkerCalls
 from sft_runtime.runtime.policy.group import PolicyWorkerError
 from sft_runtime.states import SFTV2SaveState
 from tests.support.small_run import small_config
 
 
-class StubGroup:
-    """Answers the controller's calls like two healthy workers, unless told to fail."""
+class StubGroup(WorkerCalls):
+    """Answers the controller's calls like two healthy workers, unless told to fail: the
+    group's typed calls over scripted primitives."""
 
     owner_ranks = [0, 1]
 
@@ -47,25 +49,19 @@ class StubGroup:
                 return self.fail["commit_sft_batch"]
         return self.fail.get(method)
 
-    def run(self, method, *args, ranks="all", **kwargs):
-        return self.wait(method, self.submit(method, *args, **kwargs))
-
-    def submit(self, method, *args, **kwargs):
+    def _submit(self, method, *args, ranks="all", per_rank_args=None, **kwargs):
         self.calls.append(method)
         error = self._error(method, args)
-        return [(r, (method, r, error)) for r in (0, 1)]
+        return Pending(method, [(r, (method, r, error)) for r in (0, 1)])
 
-    def wait(self, method, refs, timeout_s=None):
-        for _, (_, _, error) in refs:
+    def _wait(self, pending, timeout_s=None):
+        for _, (_, _, error) in pending.refs:
             if error is not None:
                 raise error
-        return [self._answer(m, r) for _, (m, r, _) in refs]
+        return [self._answer(m, r) for _, (m, r, _) in pending.refs]
 
-    def settle(self, refs, timeout_s):
+    def _settle(self, pending, timeout_s):
         self.calls.append("settle")
-
-    def setup_loaders(self, factories, restored=None):
-        self.calls.append("setup_sft_dataloader")
 
 
 def _controller(tmp_path: Path, group: StubGroup, *overrides: str, total_steps: int = 0):
@@ -171,10 +167,10 @@ def test_a_stop_undoes_the_start_sent_ahead_before_the_final_checkpoint(tmp_path
     class StopDuringStep1(StubGroup):
         controller = None
 
-        def wait(self, method, refs, timeout_s=None):
-            if method == "start_sft_step":
+        def _wait(self, pending, timeout_s=None):
+            if pending.method == "start_sft_step":
                 self.controller.request_stop()
-            return super().wait(method, refs, timeout_s)
+            return super()._wait(pending, timeout_s)
 
     group = StopDuringStep1()
     controller, run_dir = _controller(tmp_path, group)

@@ -1,0 +1,224 @@
+"""`WorkerCalls`: every call the runtime makes on its policy workers, as a typed method.
+
+A group fans each call out to its workers. How it does that is three private primitives
+(`_submit`, `_wait`, `_settle`): `PolicyWorkerGroup` implements them with Ray, a test's
+stand-in with a script. Everything else calls the methods below, so a worker method is
+named in one place and a misspelt call fails when the code is read, not mid-run.
+
+``send_*`` methods return `Pending` at once (the calls run while the caller goes on; Ray
+runs an actor's calls in the order they were sent); the others wait for every result and
+return them in rank order. ``carrier`` is the W3C trace context the workers' spans join.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sft_runtime.runtime.data.batch import BatchSource, StepEnvelope
+
+Ranks = Literal["all", "owners"] | Sequence[int]
+
+
+@dataclass
+class Pending:
+    """Calls sent to workers whose results are not read yet (``method`` names them in
+    errors); ``a + b`` waits on both as one."""
+
+    method: str
+    refs: list[tuple[int, Any]] = field(default_factory=list)
+
+    def __add__(self, other: Pending) -> Pending:
+        return Pending(self.method, self.refs + other.refs)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+
+class WorkerCalls:
+    """The typed calls, over the three primitives a group provides."""
+
+    owner_ranks: list[int]
+
+    # ------------------------------------------------------------ primitives (per group)
+    def _submit(
+        self,
+        method: str,
+        *args: Any,
+        ranks: Ranks = "all",
+        per_rank_args: Sequence[Sequence[Any]] | None = None,
+        **kwargs: Any,
+    ) -> Pending:
+        raise NotImplementedError
+
+    def _wait(self, pending: Pending, timeout_s: float | None = None) -> list[Any]:
+        raise NotImplementedError
+
+    def _settle(self, pending: Pending, timeout_s: float) -> None:
+        raise NotImplementedError
+
+    def _run(self, method: str, *args: Any, timeout_s: float | None = None, **kw: Any) -> list:
+        return self._wait(self._submit(method, *args, **kw), timeout_s)
+
+    # ------------------------------------------------------------ results of sent calls
+    def wait(self, pending: Pending, timeout_s: float | None = None) -> list[Any]:
+        """Results in rank order; the first failure, or the deadline, raises."""
+        return self._wait(pending, timeout_s)
+
+    def settle(self, pending: Pending, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for calls whose results no longer matter (a failed or
+        undone step); their errors are read and dropped."""
+        self._settle(pending, timeout_s)
+
+    # ------------------------------------------------------------ one step, sent ahead
+    def send_start(self, loss_fn: Any, commit_previous: bool, *, carrier: dict | None = None):
+        """`start_sft_step`: commit the previous batch (if asked), load, begin, forward and
+        backward. Results carry each owner's `StepEnvelope`."""
+        return self._submit("start_sft_step", loss_fn, commit_previous, _otel_carrier=carrier)
+
+    def send_finish(self, *, carrier: dict | None = None, ranks: Ranks = "all") -> Pending:
+        """`finish_train_step`: gradient all-reduce, clip, optimizer step."""
+        return self._submit("finish_train_step", ranks=ranks, _otel_carrier=carrier)
+
+    def send_commit(self, *, carrier: dict | None = None) -> Pending:
+        """Commit the loader batch of the last finished step on every owner."""
+        return self._submit("commit_sft_batch", ranks="owners", _otel_carrier=carrier)
+
+    def send_loader_state_bytes(self, *, carrier: dict | None = None) -> Pending:
+        """Every owner's loader state, pickled in the worker."""
+        return self._submit("sft_dataloader_state_bytes", ranks="owners", _otel_carrier=carrier)
+
+    def send_save(
+        self,
+        weights_path: str,
+        optimizer_path: str | None,
+        *,
+        final: bool,
+        rng_path: str,
+        carrier: dict | None = None,
+    ) -> Pending:
+        """Every worker writes its share of the policy files (the tokenizer is described by
+        the run's config.yaml, so no tokenizer path)."""
+        return self._submit(
+            "save_checkpoint",
+            weights_path,
+            optimizer_path,
+            None,
+            final,
+            rng_path=rng_path,
+            _otel_carrier=carrier,
+        )
+
+    def send_load(self, *, carrier: dict | None = None) -> Pending:
+        """`load_next_sft_batch` on every owner (the older, phase-by-phase step)."""
+        return self._submit("load_next_sft_batch", ranks="owners", _otel_carrier=carrier)
+
+    def send_run_train_step(self, loss_fn: Any, *, carrier: dict | None = None) -> Pending:
+        """`run_train_step`: begin, train and finish inside each worker."""
+        return self._submit("run_train_step", loss_fn, _otel_carrier=carrier)
+
+    # ------------------------------------------------------------ loaders
+    def setup_loaders(
+        self,
+        factories: Sequence[Callable[[], BatchSource]],
+        restored_states: Sequence[Any] | None = None,
+        prefetch_depth: int = 1,
+    ) -> None:
+        """One picklable factory (and optional restored state) per loader-owner rank;
+        ``prefetch_depth`` >= 2 makes every owner read that many batches ahead."""
+        states = list(restored_states) if restored_states is not None else [None] * len(factories)
+        self._run(
+            "setup_sft_dataloader",
+            ranks="owners",
+            per_rank_args=list(zip(factories, states, strict=True)),
+            prefetch_depth=prefetch_depth,
+        )
+
+    def load_batches(self, *, carrier: dict | None = None) -> list[StepEnvelope]:
+        return self._run("load_next_sft_batch", ranks="owners", _otel_carrier=carrier)
+
+    def commit_batches(self, *, carrier: dict | None = None) -> None:
+        self._run("commit_sft_batch", ranks="owners", _otel_carrier=carrier)
+
+    def abort_batches(self, *, carrier: dict | None = None) -> None:
+        self._run("abort_sft_batch", ranks="owners", _otel_carrier=carrier)
+
+    def loader_states(self) -> list[dict]:
+        return self._run("sft_dataloader_state_dict", ranks="owners")
+
+    def loader_state_bytes(self, *, carrier: dict | None = None) -> list[bytes]:
+        return self._run("sft_dataloader_state_bytes", ranks="owners", _otel_carrier=carrier)
+
+    def close_loaders(self, *, carrier: dict | None = None) -> None:
+        self._run("close_sft_dataloader", ranks="owners", _otel_carrier=carrier)
+
+    # ------------------------------------------------------------ training, phase by phase
+    def prepare_for_training(self, *, carrier: dict | None = None) -> None:
+        self._run("prepare_for_training", _otel_carrier=carrier)
+
+    def begin_train_step(self, loss_fn: Any, *, carrier: dict | None = None) -> list[Any]:
+        return self._run("begin_train_step", loss_fn, _otel_carrier=carrier)
+
+    def train_step(self, *, carrier: dict | None = None) -> list[dict]:
+        """Forward and backward over this rank's micro-batches (the step's middle phase)."""
+        return self._run("train_step", _otel_carrier=carrier)
+
+    def finish_train_step(self, *, carrier: dict | None = None) -> list[dict]:
+        return self._run("finish_train_step", _otel_carrier=carrier)
+
+    def run_train_step(self, loss_fn: Any = None, timeout_s: float | None = None) -> list[dict]:
+        """begin, train and finish back to back inside each worker: one round trip. Returns
+        each rank's metrics; on error the step may be open: call `abort_train_step`."""
+        return self._run("run_train_step", loss_fn, timeout_s=timeout_s)
+
+    def abort_train_step(self, *, carrier: dict | None = None) -> list[dict]:
+        """Drop the open step's gradients and rewind its RNG (a no-op when none is open)."""
+        return self._run("abort_train_step", _otel_carrier=carrier)
+
+    # ------------------------------------------------------------ state and checkpoints
+    def save_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        tokenizer_path: str | None = None,
+        is_final_checkpoint: bool = False,
+        rng_path: str | None = None,
+    ) -> list[dict]:
+        return self._run(
+            "save_checkpoint",
+            weights_path,
+            optimizer_path,
+            tokenizer_path,
+            is_final_checkpoint,
+            rng_path=rng_path,
+        )
+
+    def load_checkpoint(
+        self, weights_path: str, optimizer_path: str | None = None, rng_path: str | None = None
+    ) -> list[dict]:
+        return self._run("load_checkpoint", weights_path, optimizer_path, rng_path=rng_path)
+
+    def get_weights(self, *, ranks: Ranks = "all") -> list[dict]:
+        return self._run("get_weights", ranks=ranks)
+
+    def get_optimizer_state(self, *, ranks: Ranks = "all") -> list[dict]:
+        return self._run("get_optimizer_state", ranks=ranks)
+
+    # ------------------------------------------------------------ process
+    def setup_telemetry(
+        self, config: Any, run_dir: str, attempt: int | None, *, carrier: dict | None = None
+    ) -> None:
+        self._run("setup_telemetry", config, run_dir, attempt, _otel_carrier=carrier)
+
+    def flush_telemetry(self, *, carrier: dict | None = None) -> list[bool]:
+        return self._run("flush_telemetry", _otel_carrier=carrier)
+
+    def ping(self) -> list[int]:
+        return self._run("ping")
+
+    def node_ids(self) -> list[str]:
+        return self._run("node_id")
+
+    def peak_rss_bytes(self) -> list[int]:
+        return self._run("peak_rss_bytes")
