@@ -19,7 +19,6 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
 import resource
 import socket
 import statistics
@@ -196,15 +195,9 @@ class _Group:
         self.ray = ray
         self.started = not ray.is_initialized()
         if self.started:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(
-                address="local",
-                num_cpus=4,
-                include_dashboard=False,
-                logging_level="ERROR",
-                log_to_driver=False,
-                _temp_dir=tempfile.mkdtemp(prefix="bench-ray-"),
-            )
+            from bench.harness import ray_up
+
+            ray_up(Path(tempfile.mkdtemp(prefix="bench-ray-")))
         cloudpickle.register_pickle_by_value(_sources())
         policy, cluster = _configs()
         self.fn = NLLLossFn()

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.table import render  # noqa: E402
 
-BENCHMARKS = ["events", "loader", "policy", "tracing", "step"]
+BENCHMARKS = ["events", "loader", "policy", "tracing", "overhead", "prefetch", "scaling", "resume"]
 MARK = "bench-rows: "
 
 

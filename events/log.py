@@ -110,7 +110,7 @@ class _FileSink:
         self.fsync = fsync
         self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         if created and fsync:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
 
     def write(self, data: bytes, durable: bool) -> None:
         start = self.size()
@@ -267,7 +267,8 @@ def acquire_lock(path: Path, owner: dict | None = None) -> int:
     return fd
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a new or renamed file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

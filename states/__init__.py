@@ -12,6 +12,7 @@ from sft_runtime.states.machine import (
 )
 from sft_runtime.states.rules import StepRules
 from sft_runtime.states.save_state import SFTV2SaveState, apply, initial_save_state, replay
+from sft_runtime.states.step import StepInFlight, StepPhase
 
 __all__ = [
     "STATES",
@@ -19,6 +20,8 @@ __all__ = [
     "ControllerModel",
     "ControllerState",
     "SFTV2SaveState",
+    "StepInFlight",
+    "StepPhase",
     "StepRules",
     "apply",
     "build_machine",

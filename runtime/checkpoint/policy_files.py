@@ -3,8 +3,8 @@
 Layout under the paths the controller passes (``<step_dir>/policy/...``):
 
 - ``weights/model.safetensors`` - written by rank 0 only (replicas are bitwise identical).
-- ``optimizer/optimizer.pt`` - AdamW state + schedule step, by rank 0; loads with
-  ``torch.load(weights_only=True)``.
+- ``optimizer/optimizer.pt`` - AdamW state + schedule step, by rank ``1 % world_size`` (so
+  it is written beside rank 0's weights); loads with ``torch.load(weights_only=True)``.
 - ``rng/rank_<r>.pt`` - python, numpy and torch RNG states and the torch thread count of
   rank r, written by every rank: the thread count changes float results, so a resume that
   must be bitwise exact refuses a different one.

@@ -12,10 +12,10 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sft_runtime.events.log import fsync_dir
 from sft_runtime.runtime.errors import UserInputError
 
 INFO_NAME = "training_info.json"
@@ -34,26 +34,6 @@ def fsync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(Path(dirpath))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@dataclass(frozen=True)
-class SaveKinds:
-    """Why a checkpoint was written; retention treats each kind by its own rule."""
-
-    periodic: bool = False
-    ft: bool = False
-    final: bool = False
-
-    def as_list(self) -> list[str]:
-        return [k for k in ("periodic", "ft", "final") if getattr(self, k)]
 
 
 class CheckpointDir:
@@ -100,7 +80,8 @@ class CheckpointDir:
         return tmp
 
     def commit(self, step: int, tmp: Path, info: dict[str, Any]) -> Path:
-        """Write training_info.json, fsync everything, rename into place, prune."""
+        """Write training_info.json, fsync everything, rename into place (pruning is
+        `prune`, after the checkpoint is recorded)."""
         (tmp / INFO_NAME).write_text(json.dumps(info, indent=2, sort_keys=True))
         fsync_tree(tmp)
         final = self.path(step)

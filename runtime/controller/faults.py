@@ -13,12 +13,13 @@ A test decides from that file, not from a clock, when the run is exactly where i
 it: it can kill any process of the run, signal it, or look at the files, then release it.
 A process holds at most once.
 
-Points (state:phase):
+Points (state:moment; a step's are ``stepping:after_<phase>`` with the phase names of
+`states.step.StepPhase`, the names step_aborted records):
   setup:after_loaders        loaders built, before loaders_ready
-  stepping:after_load        batches loaded (the train calls queued behind them)
-  stepping:after_optimizer   optimizer step taken, before the loader commit
-  stepping:after_commit      loader commit sent, before step_committed is appended
-  stepping:after_append      step_committed durable, before the metrics line
+  stepping:after_loading     batches loaded (the train calls queued behind them)
+  stepping:after_train       optimizer step taken, before the loader commit
+  stepping:after_commit      loader commit marked, before step_committed is appended
+  stepping:after_record      step_committed durable, before the metrics line
   saving:after_weights       policy files written, loader states taken, not yet written
   saving:before_rename       tmp_step_N complete, before the rename
   saving:after_rename        step_N in place, before checkpoint_saved
@@ -36,16 +37,15 @@ import os
 import signal
 import time
 
+from sft_runtime.states.step import StepPhase as P
+
 ENV = "SFT_RUNTIME_FAULT"
 HOLD_ENV = ENV + "_HOLD"
 _held = False
 POINTS = frozenset(
     {
         "setup:after_loaders",
-        "stepping:after_load",
-        "stepping:after_optimizer",
-        "stepping:after_commit",
-        "stepping:after_append",
+        *(p.fault_point for p in (P.loading, P.train, P.commit, P.record)),
         "saving:after_weights",
         "saving:before_rename",
         "saving:after_rename",

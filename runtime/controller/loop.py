@@ -41,7 +41,8 @@ from sft_runtime.runtime.controller.step import StepCalls
 from sft_runtime.runtime.data.factory import build_colocated_loader
 from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.launch.liveness import check_driver
-from sft_runtime.states import ControllerModel, ControllerState
+from sft_runtime.runtime.policy.calls import Pending
+from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase
 from sft_runtime.traces.context import attached, inject_carrier, span_ids
 from sft_runtime.traces.metrics import StepInstruments
 from sft_runtime.traces.setup import setup_telemetry
@@ -56,6 +57,7 @@ from sft_runtime.traces.spans import (
 )
 
 S = ControllerState
+P = StepPhase
 
 
 class SFTController:
@@ -108,11 +110,11 @@ class SFTController:
                     self.model.stop_requested = self._stop.is_set()
                     if self.model.halt():  # to saving first when steps are unsaved
                         self.calls.drop_ahead()
-                        if self.model.state is S.saving:
+                        if self._should_save():
                             self._save_checkpoint()
                         break
                     self._run_one_step()
-                    if self.model.state is S.saving:
+                    if self._should_save():
                         self._save_checkpoint()
                 reason = self._end_reason()
             except BaseException as exc:
@@ -189,13 +191,13 @@ class SFTController:
         ahead = self.calls.ahead_span(step)  # its start was sent with the last step
         with step_span(step, attempt=self._attempt, job=self._job, span=ahead) as span:
             t0 = self._t_free if ahead is not None else time.perf_counter()
-            phase, policy_open, batch_active = "loading", True, True
+            now = StepInFlight()  # how far the step got, what an abort must undo
             try:
                 with traced(POLICY_TRAINING_SPAN):
-                    envelopes, results = self._train_step_calls(step)
+                    envelopes, results = self._run_train_step(step)
                 t_done = time.perf_counter()
-                phase, policy_open = "train", False
-                fault_point("stepping:after_optimizer", step=step, attempt=self._attempt)
+                now.trained()
+                self._fault_after(P.train, step)
                 load_time = max(e.load_seconds for e in envelopes)
                 metrics = step_metrics(
                     envelopes,
@@ -204,23 +206,21 @@ class SFTController:
                     policy_time=t_done - t0 - load_time,
                     total_time=time.perf_counter() - t0,
                 )
-                phase = "metrics"
+                now.enter(P.metrics)
                 self._checkpoint_metric(metrics)
-                phase = "commit"
+                now.enter(P.commit)
                 self._check_driver()  # a killed run commits no step after its driver died
-                with traced("rl.sft_v2.commit"):
-                    self.calls.recorded()  # the loader commit goes with the next start
-                batch_active = False
-                fault_point("stepping:after_commit", step=step, attempt=self._attempt)
-                phase = "record"
+                self.calls.recorded()  # the loader commit goes with the next start
+                now.committed()
+                self._fault_after(P.commit, step)
+                now.enter(P.record)
                 payload = committed_event(step, metrics, envelopes, *span_ids(span))
                 with traced("rl.sft_v2.event_append"):
                     self.model.commit(event=payload)
-                fault_point("stepping:after_append", step=step, attempt=self._attempt)
+                self._fault_after(P.record, step)
             except BaseException as exc:
                 record_error(span, exc)
-                phase = getattr(exc, "phase", None) or phase
-                self._abort_step(exc, phase, policy_open=policy_open, batch_active=batch_active)
+                self._abort_step(exc, now)
                 raise
             self._t_free = t_done
             self._last_metrics = metrics
@@ -231,7 +231,7 @@ class SFTController:
                 span, lambda: step_attributes(metrics, self.model.save_state.consumed_samples)
             )
 
-    def _train_step_calls(self, step: int) -> tuple[list, list[dict[str, Any]]]:
+    def _run_train_step(self, step: int) -> tuple[list, list[dict[str, Any]]]:
         """Send the step's start (unless sent ahead) and finish, and the next step's start when
         it is certain to follow (`StepCalls`); then wait: envelopes and finish metrics."""
         carrier = inject_carrier()
@@ -240,12 +240,18 @@ class SFTController:
         state = replace(self.model.save_state, total_steps=step)
         if self.model.rules.continues_after(state, time.time(), stopping=self._stop.is_set()):
             self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
+        envelopes = self._load_envelopes(start, step)
+        return envelopes, self.group.wait(finish)
+
+    def _load_envelopes(self, start: Pending, step: int) -> list:
+        """The owners' envelopes from the step's start: the batch is loaded (it stays in the
+        workers), the machine moves to ``stepping``."""
         outs = self.group.wait(start)
         envelopes = [outs[rank]["envelope"] for rank in self.group.owner_ranks]
         check_envelopes(envelopes, self.plan.logical_world_size)
-        fault_point("stepping:after_load", step=step, attempt=self._attempt)
+        self._fault_after(P.loading, step)
         self.model.batch_loaded()
-        return envelopes, self.group.wait(finish)
+        return envelopes
 
     def _send_ahead_past_save(self, state: Any) -> None:
         """Workers start the next step once their checkpoint files are written, while the
@@ -254,22 +260,8 @@ class SFTController:
             step, attempt = state.total_steps + 1, self._attempt  # the save committed
             self.calls.send_ahead(step, commit=False, attempt=attempt, job=self._job)
 
-    def _load_envelopes(self) -> list:
-        """Load on every owner (the step's first phase, fanned out on its own)."""
-        self.calls.flush_commit()
-        envelopes = self.group.load_batches(carrier=inject_carrier())
-        check_envelopes(envelopes, self.plan.logical_world_size)
-        return envelopes
-
-    def _run_train_step(self) -> list[dict[str, Any]]:
-        """begin / train / finish on every worker, submitted back to back, one wait."""
-        with traced(POLICY_TRAINING_SPAN):
-            carrier = inject_carrier()
-            self.group.begin_train_step(self.args.loss_fn, carrier=carrier)
-            self.group.train_step(carrier=carrier)
-            return self.group.finish_train_step(carrier=carrier)
-
     def _policy_metrics(self) -> dict[str, Any]:
+        """The last committed step's metrics (what a checkpoint is ranked by)."""
         return dict(self._last_metrics)
 
     def _owner_call(self, call: Any) -> Any:
@@ -284,6 +276,7 @@ class SFTController:
         return self._owner_call(self.group.loader_state_bytes)
 
     def _should_save(self) -> bool:
+        """The machine's save rules moved it to ``saving`` (see `StepRules.save_due`)."""
         return self.model.state is S.saving
 
     def _checkpoint_metric(self, metrics: dict[str, Any]) -> float | None:
@@ -297,14 +290,15 @@ class SFTController:
         kinds = rules.save_kinds(state, now=time.time(), stopping=self.model.stop_requested)
         with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
             self.calls.drop_ahead()
-            commit, self.calls.commit_pending = self.calls.commit_pending, False
             write = self.checkpointer.begin(
                 state,
                 kinds=kinds,
-                metric=self._checkpoint_metric(self._last_metrics) if self._last_metrics else None,
+                metric=self._checkpoint_metric(self._policy_metrics())
+                if self._last_metrics
+                else None,
                 attempt=attempt,
                 final=rules.budget_reached(state),
-                commit_first=commit,
+                commit_first=self.calls.take_commit(),
                 carrier=inject_carrier(),
             )
             try:
@@ -317,11 +311,11 @@ class SFTController:
         quietly("prune old checkpoints", self.checkpointer.prune)
         self._t_free = time.perf_counter()  # the next step's time starts after the save
 
-    def _abort_step(
-        self, exc: BaseException, phase: str, *, policy_open: bool, batch_active: bool
-    ) -> None:
+    def _abort_step(self, exc: BaseException, now: StepInFlight) -> None:
         """Undo what the step opened, record `step_aborted`; cleanup failures only warn."""
+        phase = now.failed_phase(exc)
         quietly("wait for the step's calls", self.calls.settle)
+        policy_open, batch_active = now.policy_open, now.batch_active
         if self.calls.has_ahead:  # a start sent ahead is undone with this step
             policy_open = batch_active = True
             quietly("discard the step started ahead", self.calls.drop_ahead)
@@ -333,8 +327,13 @@ class SFTController:
         span = span_ids(trace.get_current_span())
         quietly(
             "record step_aborted",
-            lambda: self.model.fail(error=exc, phase=phase, trace_id=span[0], span_id=span[1]),
+            lambda: self.model.fail(
+                error=exc, phase=phase.value, trace_id=span[0], span_id=span[1]
+            ),
         )
+
+    def _fault_after(self, phase: StepPhase, step: int) -> None:
+        fault_point(phase.fault_point, step=step, attempt=self._attempt)
 
     def _close_loaders(self) -> None:
         try:

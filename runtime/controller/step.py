@@ -53,8 +53,7 @@ class StepCalls:
                 raise RuntimeError(f"step {ahead} was started ahead, but step {step} is next")
             self._ahead = None
         else:
-            commit, self.commit_pending = self.commit_pending, False
-            pending = self.group.send_start(self.loss_fn, commit, carrier=carrier)
+            pending = self.group.send_start(self.loss_fn, self.take_commit(), carrier=carrier)
         self._sent = pending
         return pending
 
@@ -78,10 +77,15 @@ class StepCalls:
         self.commit_pending = self._ahead is None
         self._sent = None
 
+    def take_commit(self) -> bool:
+        """Whether the last recorded step's batch still needs its commit; the caller sends it
+        (a checkpoint does, ahead of taking the loader states)."""
+        pending, self.commit_pending = self.commit_pending, False
+        return pending
+
     def flush_commit(self) -> None:
         """Commit the last recorded step's batch now (before a loader state or a close)."""
-        if self.commit_pending:
-            self.commit_pending = False
+        if self.take_commit():
             self.group.commit_batches()
 
     def settle(self) -> None:

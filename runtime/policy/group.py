@@ -35,6 +35,7 @@ from sft_runtime.runtime.policy.config import (
     check_batch_layout,
     parse_section,
 )
+from sft_runtime.states.step import earliest
 
 __all__ = ["Pending", "PolicyWorkerError", "PolicyWorkerGroup", "PolicyWorkerInputError"]
 
@@ -220,7 +221,6 @@ class PolicyWorkerGroup(WorkerCalls):
 
 
 BLAME_GRACE_S = 1.0
-STEP_PHASES = ("loading", "train")  # the order a step's phases run in a worker
 
 
 def _settle(pending: list, rank_of: dict, grace_s: float) -> list[tuple[int, BaseException]]:
@@ -256,9 +256,9 @@ def _failure(method: str, failures: list[tuple[int, BaseException]]) -> PolicyWo
         if all(isinstance(c, UserInputError) for c in own)
         else PolicyWorkerError
     )
-    phases = [getattr(c, "sft_phase", None) for c in own]
-    phase = min((p for p in phases if p), key=STEP_PHASES.index, default=None)
-    err = kind(f"{method} failed: " + "; ".join(parts), [r for r, _ in failures], phase)
+    phase = earliest([getattr(c, "sft_phase", None) for c in own])
+    ranks = [r for r, _ in failures]
+    err = kind(f"{method} failed: " + "; ".join(parts), ranks, phase and phase.value)
     err.__cause__ = failures[0][1]
     return err
 

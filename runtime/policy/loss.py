@@ -33,7 +33,7 @@ class NLLLossFn:
 
         The returned loss is ``sum(nll * mask) / global_valid_tokens``: summed over ranks and
         micro-batches it is the global mean. The metrics are detached 0-dim tensors (floats
-        work too): the trainer reads all of a step's metrics in one host sync after the last
+        work too): the replica reads all of a step's metrics in one host sync after the last
         micro-batch, so on a GPU the forward passes queue up without waiting for each other.
         """
         import torch

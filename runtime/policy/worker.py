@@ -11,7 +11,7 @@ a free port; `init_distributed` on every rank then joins torch.distributed (gloo
 NCCL with a GPU) with an explicit timeout, so a rank that never arrives fails the group
 instead of hanging for gloo's default 30 minutes.
 
-One training step has three phases (see `runtime.policy.trainer`): `begin_train_step`
+One training step has three phases (see `runtime.policy.replica`): `begin_train_step`
 (collective: global token count), `train_step` (local forward/backward), `finish_train_step`
 (collective: gradients, clip, AdamW). The controller's loop sends a step as two calls,
 `start_sft_step` (commit the previous batch, load, begin, train) and `finish_train_step`;
@@ -40,8 +40,9 @@ from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.data.batch import BatchSource, StepEnvelope
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
-from sft_runtime.runtime.policy.trainer import DPTrainer
+from sft_runtime.runtime.policy.replica import Replica
 from sft_runtime.runtime.policy.worker_state import WorkerStateMixin
+from sft_runtime.states.step import StepPhase
 from sft_runtime.traces.spans import traced
 
 
@@ -76,9 +77,9 @@ class PolicyWorkerBase(WorkerStateMixin):
         self.device = torch.device("cuda", 0) if self.has_gpu else torch.device("cpu")
         if self.has_gpu:
             torch.cuda.set_device(self.device)
-        self.trainer = DPTrainer(policy, seed=seed, device=self.device)
+        self.replica = Replica(policy, seed=seed, device=self.device)
         self._loader: BatchSource | None = None
-        self._batch_step: int | None = None  # trainer steps done when the active batch loaded
+        self._batch_step: int | None = None  # replica steps done when the active batch loaded
 
     # ----------------------------------------------------------------- distributed
     def rendezvous_address(self, *, _otel_carrier: dict | None = None) -> tuple[str, int]:
@@ -194,26 +195,26 @@ class PolicyWorkerBase(WorkerStateMixin):
 
     # ----------------------------------------------------------------- training
     def prepare_for_training(self, *, _otel_carrier: dict | None = None) -> None:
-        self.trainer.model.train()
+        self.replica.model.train()
 
     def begin_train_step(
         self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
     ) -> dict[str, int]:
         """Open a step on the active batch; all-reduce the supervised-token count."""
         with traced("rl.sft_v2.begin_step", carrier=_otel_carrier, attributes=self._attrs):
-            return self.trainer.begin(loss_fn, lambda: self._require_loader().active_batch)
+            return self.replica.begin(loss_fn, lambda: self._require_loader().active_batch)
 
     def train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """Forward/backward on this rank's active batch (gradient accumulation)."""
-        fault_point("worker:train", step=self.trainer.steps_done + 1, rank=self.rank)
+        fault_point("worker:train", step=self.replica.steps_done + 1, rank=self.rank)
         with traced("rl.sft_v2.forward_backward", carrier=_otel_carrier, attributes=self._attrs):
-            return self.trainer.train(self._require_loader().active_batch)
+            return self.replica.train(self._require_loader().active_batch)
 
     def finish_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """All-reduce gradients, clip, step AdamW and the LR schedule; the step's metrics."""
-        fault_point("worker:finish", step=self.trainer.steps_done + 1, rank=self.rank)
+        fault_point("worker:finish", step=self.replica.steps_done + 1, rank=self.rank)
         with traced("rl.sft_v2.finish_step", carrier=_otel_carrier, attributes=self._attrs):
-            return self.trainer.finish()
+            return self.replica.finish()
 
     def run_train_step(
         self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
@@ -247,7 +248,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         A phase that fails still lets this rank join `begin`'s collective with an error flag,
         so every rank fails at once instead of waiting for the process-group timeout (a failed
         train makes the queued `finish` refuse on every rank). The error is raised with
-        ``sft_phase`` ("loading", "train") set, which the controller records in
+        ``sft_phase`` (a `StepPhase`: loading or train) set, which the controller records in
         ``step_aborted``. Returns the envelope, ``begin_s`` and ``forward_backward_s``.
         """
         carrier = _otel_carrier
@@ -256,7 +257,7 @@ class PolicyWorkerBase(WorkerStateMixin):
             if commit_previous:
                 self._commit_finished_batch(carrier)
             envelope = self.load_next_sft_batch(_otel_carrier=carrier)
-            self._batch_step = self.trainer.steps_done
+            self._batch_step = self.replica.steps_done
         except Exception as exc:  # noqa: BLE001 - raised after the collective below
             before_begin = exc
 
@@ -268,14 +269,15 @@ class PolicyWorkerBase(WorkerStateMixin):
         t0 = time.perf_counter()
         try:
             with traced("rl.sft_v2.begin_step", carrier=carrier, attributes=self._attrs):
-                self.trainer.begin(loss_fn, active_batch)
+                self.replica.begin(loss_fn, active_batch)
         except Exception as exc:
-            raise _in_phase(before_begin or exc, "loading" if before_begin else "train") from None
+            phase = StepPhase.loading if before_begin else StepPhase.train
+            raise _in_phase(before_begin or exc, phase) from None
         begin_s = time.perf_counter() - t0
         try:
             trained = self.train_step(_otel_carrier=carrier)
         except Exception as exc:
-            raise _in_phase(exc, "train") from None
+            raise _in_phase(exc, StepPhase.train) from None
         return {
             "envelope": envelope,
             "begin_s": begin_s,
@@ -284,7 +286,7 @@ class PolicyWorkerBase(WorkerStateMixin):
 
     def _commit_finished_batch(self, carrier: dict | None) -> None:
         done = self._batch_step
-        if done is not None and (self.trainer.step_open or self.trainer.steps_done != done + 1):
+        if done is not None and (self.replica.step_open or self.replica.steps_done != done + 1):
             raise RuntimeError(
                 f"rank {self.rank}: the step trained on the active batch did not finish; "
                 "the batch is not committed"
@@ -293,7 +295,7 @@ class PolicyWorkerBase(WorkerStateMixin):
 
     def abort_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """Drop the open step's gradients; weights and optimizer stay bitwise unchanged."""
-        return self.trainer.abort()
+        return self.replica.abort()
 
     def close(self, *, _otel_carrier: dict | None = None) -> None:
         """Close the loader and leave the process group (best effort, before a kill)."""
@@ -330,9 +332,9 @@ def _set_niceness(target: int | None) -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def _in_phase(exc: Exception, phase: str) -> Exception:
+def _in_phase(exc: Exception, phase: StepPhase) -> Exception:
     """Tag an error with the step phase it happened in (pickled with it across Ray)."""
-    exc.sft_phase = phase
+    exc.sft_phase = phase.value
     return exc
 
 

@@ -3,7 +3,7 @@
 The checkpoint files of one rank (weights and optimizer written once across the ranks, an
 RNG file per rank; layout in `runtime.policy.checkpoint`) and CPU copies for inspection.
 Mixed into `runtime.policy.worker.PolicyWorkerBase`, whose ``rank``, ``world_size``,
-``policy``, ``num_threads`` and ``trainer`` it uses.
+``policy``, ``num_threads`` and ``replica`` it uses.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class WorkerStateMixin:
     world_size: int
     policy: Any
     num_threads: int
-    trainer: Any
+    replica: Any
 
     def save_checkpoint(
         self,
@@ -43,16 +43,16 @@ class WorkerStateMixin:
         config, rank ``1 % world_size`` the optimizer; every rank its RNG file (default
         ``<dirname(weights_path)>/rng``).
         """
-        if self.trainer.step_open:
+        if self.replica.step_open:
             raise RuntimeError(f"rank {self.rank}: cannot save while a train step is open")
         files: list[str] = []
         if optimizer_path is not None and self.rank == 1 % self.world_size:
             path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
-            state = self.trainer.optimizer_state()
+            state = self.replica.optimizer_state()
             state["is_final_checkpoint"] = bool(is_final_checkpoint)
             files.append(ckpt.save_torch(path, state))
         if self.rank == 0:
-            files.append(ckpt.save_weights(weights_path, self.trainer.weights()))
+            files.append(ckpt.save_weights(weights_path, self.replica.weights()))
             if tokenizer_path is not None and self.policy.tokenizer is not None:
                 data = json.dumps(self.policy.tokenizer, sort_keys=True).encode()
                 path = os.path.join(tokenizer_path, "tokenizer_config.json")
@@ -61,7 +61,7 @@ class WorkerStateMixin:
         rng_dir = rng_path or _default_rng_dir(weights_path)
         path = os.path.join(rng_dir, ckpt.rng_file(self.rank))
         files.append(ckpt.save_torch(path, ckpt.capture_rng(self.num_threads)))
-        return {"rank": self.rank, "files": files, "step": self.trainer.steps_done}
+        return {"rank": self.rank, "files": files, "step": self.replica.steps_done}
 
     def load_checkpoint(
         self,
@@ -72,27 +72,27 @@ class WorkerStateMixin:
         _otel_carrier: dict | None = None,
     ) -> dict[str, Any]:
         """Restore weights, optionally optimizer + schedule, and this rank's RNG state."""
-        if self.trainer.step_open:
+        if self.replica.step_open:
             raise RuntimeError(f"rank {self.rank}: cannot load while a train step is open")
         rng_dir = rng_path or _default_rng_dir(weights_path)
         rng_file = os.path.join(rng_dir, ckpt.rng_file(self.rank))
         rng_state = ckpt.load_torch(rng_file, "RNG state") if os.path.isdir(rng_dir) else None
         if rng_state is not None:
             ckpt.restore_rng(rng_state, self.num_threads, rng_file)
-        self.trainer.load_weights(ckpt.load_weights(weights_path))
+        self.replica.load_weights(ckpt.load_weights(weights_path))
         if optimizer_path is not None:
             path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
-            self.trainer.load_optimizer_state(ckpt.load_torch(path, "optimizer state"))
-        return {"rank": self.rank, "step": self.trainer.steps_done, "rng": rng_state is not None}
+            self.replica.load_optimizer_state(ckpt.load_torch(path, "optimizer state"))
+        return {"rank": self.rank, "step": self.replica.steps_done, "rng": rng_state is not None}
 
     # ----------------------------------------------------------------- inspection
     def get_weights(self, *, _otel_carrier: dict | None = None) -> dict[str, torch.Tensor]:
         """A CPU copy of the weights (tests and debugging)."""
-        return self.trainer.weights()
+        return self.replica.weights()
 
     def get_optimizer_state(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """A CPU copy of the optimizer + schedule state (tests and debugging)."""
-        state = self.trainer.optimizer_state()
+        state = self.replica.optimizer_state()
         return _to_cpu(state)
 
 

@@ -1,4 +1,4 @@
-"""Issue 7.6: bad input gets exit code 2 and one line naming the thing; nothing saved is lost.
+"""Bad input gets exit code 2 and one line naming the thing; nothing saved is lost.
 
 Each test backs one row of docs/bad_input.md. `sft-runtime train` runs in-process on the
 session's Ray (an exception that escapes `main` is what makes the real command exit 1).

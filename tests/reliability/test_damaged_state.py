@@ -1,4 +1,4 @@
-"""Issue 7.3: damaged run state is repaired where that is safe and refused where it is not.
+"""Damaged run state is repaired where that is safe and refused where it is not.
 
 Every case starts from a copy of the reference run (complete, or rewound to what a crash
 right after checkpoint 3 leaves) and runs `sft-runtime train` in-process on the session's

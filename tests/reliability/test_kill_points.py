@@ -1,4 +1,4 @@
-"""Issue 7.1: a SIGKILL at each of the 13 kill points, then the same command, is exact.
+"""A SIGKILL at each of the 13 kill points, then the same command, is exact.
 
 Each chain crashes one run directory at several points in turn (each launch sets one
 point, the next launch resumes and crashes at the next), then finishes without a fault and
@@ -52,10 +52,10 @@ class Kill:
 # steps 1-7, checkpoints at 3, 6 and 7: a kill at step 5 loses step 4 (and 5)
 STEPPING = (
     Kill("setup:after_loaders", 0, last_step=None, loaders_ready=False),
-    Kill("stepping:after_load", 5, last_step=4, checkpoints=(3,)),
-    Kill("stepping:after_optimizer", 5, resumed_from=3, last_step=4),
+    Kill("stepping:after_loading", 5, last_step=4, checkpoints=(3,)),
+    Kill("stepping:after_train", 5, resumed_from=3, last_step=4),
     Kill("stepping:after_commit", 5, resumed_from=3, last_step=4),
-    Kill("stepping:after_append", 5, resumed_from=3, last_step=5),
+    Kill("stepping:after_record", 5, resumed_from=3, last_step=5),
     Kill("worker:train", 5, rank=1, resumed_from=3, last_step=4, aborted=5),
     Kill("worker:finish", 5, rank=0, resumed_from=3, last_step=4, aborted=5),
 )

@@ -33,7 +33,7 @@ KILLS = 3
 SAVE_PERIOD = 3  # small_run's checkpoints: every 3 steps and the last
 CHECKPOINTS = {s for s in range(1, STEPS + 1) if s % SAVE_PERIOD == 0} | {STEPS}
 START = ("driver:after_setup", "setup:after_loaders")
-IN_CONTROLLER = ("stepping:after_load", "stepping:after_optimizer", "stepping:after_commit")
+IN_CONTROLLER = ("stepping:after_loading", "stepping:after_train", "stepping:after_commit")
 IN_WORKER = ("worker:train", "worker:finish")  # may run before the previous step's append
 SAVING = ("saving:after_weights", "saving:before_rename", "saving:after_rename")
 
@@ -76,7 +76,7 @@ def _candidates(covered: int, first: bool) -> list[tuple[str, int | None]]:
         out += [(point, None) for point in START]
         out += [(p, s) for s in range(covered + 1, STEPS + 1) for p in IN_CONTROLLER + IN_WORKER]
         out += [(p, s) for s in sorted(CHECKPOINTS) if covered < s < STEPS for p in SAVING]
-    out += [("stepping:after_append", s) for s in range(covered + 1, STEPS)]
+    out += [("stepping:after_record", s) for s in range(covered + 1, STEPS)]
     lost_before = [s for s in range(covered + 2, STEPS + 1) if s - 1 not in CHECKPOINTS]
     out += [(p, s) for s in lost_before for p in IN_CONTROLLER]
     return out

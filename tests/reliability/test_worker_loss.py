@@ -147,7 +147,7 @@ def test_a_second_run_on_a_live_run_directory_is_refused(
     config_file = tmp_path / "second.yaml"
     config_file.write_text(yaml.safe_dump(small_raw(run_dir, demo_data, steps)))
     hold = tmp_path / "held"
-    _hold_at(monkeypatch, hold, "stepping:after_append@1")
+    _hold_at(monkeypatch, hold, "stepping:after_record@1")
     outcome: dict = {}
     stop = threading.Event()
 

@@ -97,7 +97,7 @@ def test_sigterm_then_the_same_command_resumes_exactly(ray_session, demo_data, t
     env["RAY_AUTH_MODE"] = "disabled"
     hold = tmp_path / "held"
     held_env = dict(
-        env, SFT_RUNTIME_FAULT=f"stepping:after_append@{stop_at}", SFT_RUNTIME_FAULT_HOLD=str(hold)
+        env, SFT_RUNTIME_FAULT=f"stepping:after_record@{stop_at}", SFT_RUNTIME_FAULT_HOLD=str(hold)
     )
     command = [str(BIN), "train", str(config), "--run-dir", str(run_dir)]
     proc = subprocess.Popen(

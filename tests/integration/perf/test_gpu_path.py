@@ -11,7 +11,7 @@ import torch
 from sft_runtime.runtime.data.loader import ColocatedLoader
 from sft_runtime.runtime.data.prefetch import PrefetchingLoader
 from sft_runtime.runtime.policy.config import ModelConfig, PolicyConfig
-from sft_runtime.runtime.policy.trainer import DPTrainer
+from sft_runtime.runtime.policy.replica import Replica
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -24,20 +24,20 @@ def test_bf16_step_on_cuda_from_a_prefetched_batch(perf_spec):
         make_sequence_length_divisible_by=8,
         precision="bfloat16",
     )
-    trainer = DPTrainer(policy, seed=0, device=torch.device("cuda", 0))
+    replica = Replica(policy, seed=0, device=torch.device("cuda", 0))
     loader = PrefetchingLoader(partial(ColocatedLoader, perf_spec(), 0, 1, "p"), 2)
     loader.setup()
     try:
         loader.load()
-        trainer.begin(None, lambda: loader.active_batch)
-        trainer.train(loader.active_batch)
-        out = trainer.finish()
+        replica.begin(None, lambda: loader.active_batch)
+        replica.train(loader.active_batch)
+        out = replica.finish()
         loader.commit()
     finally:
         loader.close()
-    assert next(trainer.model.parameters()).is_cuda
+    assert next(replica.model.parameters()).is_cuda
     assert math.isfinite(out["loss"]) and out["step"] == 1
-    with trainer._autocast():
+    with replica._autocast():
         ids = torch.ones(1, 8, dtype=torch.long, device="cuda")
-        logits = trainer.model(ids, torch.arange(8, device="cuda")[None], torch.zeros_like(ids))
+        logits = replica.model(ids, torch.arange(8, device="cuda")[None], torch.zeros_like(ids))
     assert logits.dtype == torch.bfloat16

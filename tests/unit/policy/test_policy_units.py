@@ -158,8 +158,8 @@ def test_rng_restore_refuses_another_thread_count(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_trainer_step_in_one_process(precision):
-    from sft_runtime.runtime.policy.trainer import DPTrainer
+def test_replica_step_in_one_process(precision):
+    from sft_runtime.runtime.policy.replica import Replica
 
     policy = PolicyConfig(
         model=ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=SEQ_LEN),
@@ -167,21 +167,21 @@ def test_trainer_step_in_one_process(precision):
         train_micro_batch_size=2,
         precision=precision,
     )
-    trainer = DPTrainer(policy, seed=0, device=torch.device("cpu"))
+    replica = Replica(policy, seed=0, device=torch.device("cpu"))
     batch = sources.make_batch(0, 0, 0, rows=4, seq_len=SEQ_LEN, vocab_size=VOCAB)
-    before = trainer.weights()
+    before = replica.weights()
     with pytest.raises(RuntimeError, match="before a successful begin_train_step"):
-        trainer.finish()
-    trainer.begin(None, lambda: batch)
-    trainer.train(batch)
-    trainer.abort()
-    assert all(torch.equal(before[k], v) for k, v in trainer.weights().items())
-    trainer.begin(None, lambda: batch)
-    trainer.train(batch)
-    out = trainer.finish()
+        replica.finish()
+    replica.begin(None, lambda: batch)
+    replica.train(batch)
+    replica.abort()
+    assert all(torch.equal(before[k], v) for k, v in replica.weights().items())
+    replica.begin(None, lambda: batch)
+    replica.train(batch)
+    out = replica.finish()
     assert math.isfinite(out["loss"]) and out["valid_tokens"] == batch.loss_mask[:, 1:].sum()
     assert out["step"] == 1 and len(out["micro_batches"]) == 2
-    assert not torch.equal(before["head.weight"], trainer.weights()["head.weight"])
+    assert not torch.equal(before["head.weight"], replica.weights()["head.weight"])
 
 
 class _FloatMetricsLoss(NLLLossFn):
@@ -196,7 +196,7 @@ def test_tensor_and_float_metrics_give_the_same_step_as_floats():
     """NLLLossFn's metrics stay tensors until the last micro-batch (one host sync per step);
     a loss returning floats trains the same step bit for bit and every metric comes out a
     float either way."""
-    from sft_runtime.runtime.policy.trainer import DPTrainer
+    from sft_runtime.runtime.policy.replica import Replica
 
     policy = PolicyConfig(
         model=ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=SEQ_LEN),
@@ -206,12 +206,12 @@ def test_tensor_and_float_metrics_give_the_same_step_as_floats():
     batch = sources.make_batch(0, 0, 0, rows=6, seq_len=SEQ_LEN, vocab_size=VOCAB)
     outs, weights = [], []
     for loss_fn in (NLLLossFn(), _FloatMetricsLoss()):
-        trainer = DPTrainer(policy, seed=0, device=torch.device("cpu"))
-        trainer.begin(loss_fn, lambda: batch)
-        trained = trainer.train(batch)
+        replica = Replica(policy, seed=0, device=torch.device("cpu"))
+        replica.begin(loss_fn, lambda: batch)
+        trained = replica.train(batch)
         assert all(type(v) is float for mb in trained["micro_batches"] for v in mb.values())
-        outs.append(trainer.finish())
-        weights.append(trainer.weights())
+        outs.append(replica.finish())
+        weights.append(replica.weights())
     tensor_out, float_out = outs
     assert len(tensor_out["micro_batches"]) == 3
     assert tensor_out["loss"] == float_out["loss"]  # same float64 sum of the same nll sums
@@ -227,7 +227,7 @@ def test_tensor_and_float_metrics_give_the_same_step_as_floats():
 def test_abort_rewinds_the_rng_that_dropout_used():
     """A step undone by `abort` (a start sent ahead, then a stop) leaves the random streams as
     they were, so the step trained again later draws the same dropout masks: bitwise exact."""
-    from sft_runtime.runtime.policy.trainer import DPTrainer
+    from sft_runtime.runtime.policy.replica import Replica
 
     policy = PolicyConfig(
         model=ModelConfig(
@@ -238,21 +238,21 @@ def test_abort_rewinds_the_rng_that_dropout_used():
     )
     batch = sources.make_batch(0, 0, 0, rows=4, seq_len=SEQ_LEN, vocab_size=VOCAB)
 
-    def one_step(trainer: DPTrainer, abort_first: bool) -> dict:
+    def one_step(replica: Replica, abort_first: bool) -> dict:
         torch.manual_seed(11)
         if abort_first:
-            trainer.begin(None, lambda: batch)
-            trainer.train(batch)
+            replica.begin(None, lambda: batch)
+            replica.train(batch)
             assert not torch.equal(torch.get_rng_state(), _seeded_rng_state(11))
-            trainer.abort()
+            replica.abort()
             assert torch.equal(torch.get_rng_state(), _seeded_rng_state(11))
-        trainer.begin(None, lambda: batch)
-        trainer.train(batch)
-        trainer.finish()
-        return trainer.weights()
+        replica.begin(None, lambda: batch)
+        replica.train(batch)
+        replica.finish()
+        return replica.weights()
 
-    straight = one_step(DPTrainer(policy, seed=0, device=torch.device("cpu")), False)
-    undone_first = one_step(DPTrainer(policy, seed=0, device=torch.device("cpu")), True)
+    straight = one_step(Replica(policy, seed=0, device=torch.device("cpu")), False)
+    undone_first = one_step(Replica(policy, seed=0, device=torch.device("cpu")), True)
     assert all(torch.equal(straight[k], v) for k, v in undone_first.items())
 
 

@@ -33,7 +33,7 @@ from sft_runtime.runtime.policy.model import build_model
 from sft_runtime.runtime.policy.schedule import lr_at
 from sft_runtime.traces.context import TRACER
 
-CHECKPOINT_FORMAT = 1
+TRAINER_STATE_FORMAT = 1
 
 
 @dataclass
@@ -48,7 +48,7 @@ class _OpenStep:
     loss_sum: float = 0.0
 
 
-class DPTrainer:
+class Replica:
     """Model, AdamW and the open step of one DP replica."""
 
     def __init__(self, policy: PolicyConfig, *, seed: int, device: torch.device) -> None:
@@ -209,13 +209,13 @@ class DPTrainer:
     def optimizer_state(self) -> dict[str, Any]:
         """AdamW state plus the schedule's step count; loadable with ``weights_only=True``."""
         return {
-            "format": CHECKPOINT_FORMAT,
+            "format": TRAINER_STATE_FORMAT,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": {"steps_done": self.steps_done},
         }
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        if state.get("format") != CHECKPOINT_FORMAT:
+        if state.get("format") != TRAINER_STATE_FORMAT:
             raise ValueError(f"unknown optimizer checkpoint format {state.get('format')!r}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_done = int(state["scheduler"]["steps_done"])

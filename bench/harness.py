@@ -1,0 +1,269 @@
+"""What the end-to-end benchmarks share: the configs, a run of sft-runtime and of its CLI,
+step times, peak memory, the result rows, and a workspace with a data set and Ray.
+
+sft-runtime runs for real (`sft_runtime.runtime.launch.driver.run_training` or the
+`sft-runtime train` CLI): Ray workers, energon loaders, the controller's state machine,
+events fsynced, a checkpoint every 10 steps, metrics.jsonl, telemetry exported to a Jaeger
+file. Its step time is the mean interval between consecutive ``step_committed`` records over
+the steady window (the first WARMUP steps are startup), so commits, event appends, spans and
+checkpoints are all paid for. The reference is `bench/plain_loop.py`. Sides alternate in
+rounds (reference, subject, reference, ...) because the machine is shared; each ratio is the
+median of per-round ratios.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if not __package__:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(ROOT))
+
+WARMUP = 4  # committed steps treated as startup
+STEPS = 22  # steps per measured run (checkpoints at 10 and 20)
+ROUNDS = 2
+OVERHEAD_ROUNDS = 3  # the headline ratio: one more round against this machine's noise
+SEED = 5
+OVERHEAD_TARGET = 1.10
+RESUME_TARGET = 1.2
+CLI = Path(sys.executable).parent / "sft-runtime"
+
+# (a) compute-bound: a model big enough that loading is small next to a step
+COMPUTE = {
+    "model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_seq_len": 128},
+    "seq": 128,
+    "global_batch": 16,
+    "micro": 4,
+    "packing": False,
+}
+# (b) loading-heavy: a tiny model on long packed rows (many samples tokenized per row)
+LOADING = {
+    "model": {"d_model": 16, "n_layers": 1, "n_heads": 1, "max_seq_len": 256},
+    "seq": 256,
+    "global_batch": 32,
+    "micro": 16,
+    "packing": True,
+}
+
+
+# ------------------------------------------------------------------ configs
+def raw_config(
+    shape: dict,
+    data: Path,
+    run_dir: Path,
+    steps: int,
+    world: int = 2,
+    prefetch: int = 1,
+) -> dict[str, Any]:
+    raw = {
+        "policy": {
+            "model": {"vocab_size": 264, **shape["model"]},
+            "train_global_batch_size": shape["global_batch"],
+            "train_micro_batch_size": shape["micro"],
+            "optimizer": {"lr": 1e-3},
+            "make_sequence_length_divisible_by": 8,
+        },
+        "data": {
+            "max_input_seq_length": shape["seq"],
+            "train": {"path": str(data), "virtual_epoch_length": 1000},
+            "energon": {"num_workers": 0, "shuffle_buffer_size": 64},
+        },
+        "sft": {"max_num_steps": steps, "max_num_epochs": 1, "seed": SEED},
+        "logger": {"log_dir": str(run_dir)},
+        "cluster": {
+            "workers_per_node": world,
+            "cpus_per_worker": 0.5,
+            "num_threads_per_worker": 1,
+            "call_timeout_s": 300,
+        },
+        "checkpointing": {"enabled": True, "save_period": 10},
+        "data_plane": {"max_partitions": prefetch},
+        "telemetry": {"enabled": True, "exporters": ["jaeger_file"]},
+    }
+    if shape["packing"]:
+        raw["policy"]["sequence_packing"] = {"enabled": True, "algorithm": "first_fit_decreasing"}
+        raw["data"]["energon"]["packing_buffer_size"] = 4 * shape["global_batch"]
+    return raw
+
+
+def master_config(raw: dict):
+    from sft_runtime.runtime.config import validate_config
+
+    return validate_config(raw)
+
+
+def loader_specs(config, world: int) -> list:
+    """The LoaderSpec and logical rank of every DP rank, exactly as the controller builds them."""
+    from sft_runtime.runtime.config import loader_spec
+
+    spec = loader_spec(config, world)
+    return [spec] * world
+
+
+def placement_hash(world: int) -> str:
+    from sft_runtime.runtime.data.placement import build_placement_plan
+
+    axes = {
+        "data_parallel": world,
+        "tensor_parallel": 1,
+        "pipeline_parallel": 1,
+        "context_parallel": 1,
+    }
+    return build_placement_plan(axes, "default").placement_hash
+
+
+# ------------------------------------------------------------------ sft-runtime
+def committed(run_dir: Path) -> list:
+    from sft_runtime.events import read_log, records_in_effect
+
+    return [r for r in records_in_effect(read_log(run_dir)) if r.type == "step_committed"]
+
+
+def runtime_run(raw: dict) -> dict:
+    """One sft-runtime run in this process (Ray started here); step end times and losses."""
+    from sft_runtime.runtime.launch.driver import run_training
+
+    run_training(master_config(raw))
+    records = committed(Path(raw["logger"]["log_dir"]))
+    return {
+        "times": [r.time for r in records],
+        "losses": [r.data["loss"] for r in records],
+        "load": [r.data["timings"].get("loader_latency_max", 0.0) for r in records],
+    }
+
+
+def step_time(times: list[float]) -> float:
+    """Mean seconds per step over the steady window (after WARMUP steps)."""
+    window = times[WARMUP - 1 :]
+    return (window[-1] - window[0]) / (len(window) - 1)
+
+
+# ------------------------------------------------------------------ resume and memory
+def _hwm_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _role(proc) -> str | None:
+    try:
+        cmd = " ".join(proc.cmdline())
+    except Exception:  # noqa: BLE001 - gone
+        return None
+    if "PolicyWorker" in cmd:
+        return f"worker:{proc.pid}"
+    if "SFTController" in cmd or "SFTSingleController" in cmd:
+        return "controller"
+    return None
+
+
+def cli_run(config_path: Path, run_dir: Path) -> dict:
+    """`sft-runtime train`: seconds from launch to the first step committed by this launch,
+    and the peak RSS (MiB) of the driver, the controller and the workers it started."""
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    before = len(committed(run_dir)) if (run_dir / "events.jsonl").exists() else 0
+    start = time.time()
+    proc = subprocess.Popen(
+        [str(CLI), "train", str(config_path), "--run-dir", str(run_dir)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    peaks: dict[str, int] = {}
+    driver = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        peaks["driver"] = max(peaks.get("driver", 0), _hwm_kib(proc.pid))
+        try:
+            children = driver.children(recursive=True)
+        except psutil.Error:
+            children = []
+        for child in children:
+            role = _role(child)
+            if role is not None:
+                peaks[role] = max(peaks.get(role, 0), _hwm_kib(child.pid))
+        time.sleep(0.2)
+    if proc.returncode:
+        raise RuntimeError(f"sft-runtime train exited with {proc.returncode}")
+    records = committed(run_dir)[before:]
+    workers = sorted(v for k, v in peaks.items() if k.startswith("worker:"))
+    rss = {k: v / 1024 for k, v in peaks.items() if not k.startswith("worker:")}
+    rss.update({f"worker{i}": v / 1024 for i, v in enumerate(workers)})
+    return {"first_step_s": records[0].time - start, "rss": rss}
+
+
+# ------------------------------------------------------------------ the benchmark
+def ray_up(temp_dir: Path) -> None:
+    """A local Ray for a benchmark, its session files under ``temp_dir``."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        logging_level="ERROR",
+        log_to_driver=False,
+        _temp_dir=str(temp_dir),
+    )
+
+
+def row(name, value, unit, reference=None, target=None, ok=None, ratio=None) -> dict:
+    if ratio is None and reference:
+        ratio = value / reference
+    return {
+        "name": name,
+        "value": value,
+        "unit": unit,
+        "reference": reference,
+        "ratio": ratio,
+        "target": target or "",
+        "ok": ok,
+    }
+
+
+@contextmanager
+def workspace(*, ray: bool = True, samples: int = 4096) -> Iterator[tuple[Path, Path]]:
+    """(data set, scratch folder) for one benchmark; Ray started here when ``ray``."""
+    from sft_runtime.runtime.data.demo import build_demo_dataset
+
+    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-"))
+    try:
+        data = build_demo_dataset(tmp / "data", num_samples=samples, seed=0)
+        if ray:
+            ray_up(tmp / "ray")
+        yield data, tmp
+    finally:
+        import ray as ray_module
+
+        if ray_module.is_initialized():
+            ray_module.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(run: Any, doc: str) -> None:
+    """``python bench/<name>.py``: run one benchmark and print its table."""
+    import argparse
+
+    from bench.table import render
+
+    argparse.ArgumentParser(description=doc.splitlines()[0]).parse_args()
+    print(render(run()))

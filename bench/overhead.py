@@ -1,0 +1,83 @@
+"""End-to-end step time of sft-runtime against the plain loop on pre-tokenized batches.
+
+The plain loop does no loading at all (its batches are the very loader stream sft-runtime
+trains on, written beforehand), so the ratio is what the runtime adds to a step: Ray calls,
+the controller, events, spans, checkpoints. Target: sft-runtime <= 1.10x, read-ahead on and
+off; the losses must agree exactly.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import harness as h  # noqa: E402
+from bench.plain_loop import plain_run, pretokenize  # noqa: E402
+
+
+def run() -> list[dict]:
+    """sft-runtime (read-ahead off and on) vs the plain loop, h.OVERHEAD_ROUNDS rounds."""
+    with h.workspace() as (data, tmp):
+        return _overhead(data, tmp)
+
+
+def _overhead(data: Path, tmp: Path) -> list[dict]:
+    batches = pretokenize(
+        h.raw_config(h.COMPUTE, data, tmp, h.STEPS), 2, h.STEPS, tmp / "batches.pt"
+    )
+    ref, off, on, r_off, r_on = [], [], [], [], []
+    losses = None
+    for i in range(h.OVERHEAD_ROUNDS):
+        plain = plain_run(h.raw_config(h.COMPUTE, data, tmp, h.STEPS), 2, h.STEPS, batches)
+        a = h.runtime_run(h.raw_config(h.COMPUTE, data, tmp / f"a-off-{i}", h.STEPS))
+        b = h.runtime_run(h.raw_config(h.COMPUTE, data, tmp / f"a-on-{i}", h.STEPS, prefetch=2))
+        t_ref, t_off, t_on = (
+            h.step_time(plain["times"]),
+            h.step_time(a["times"]),
+            h.step_time(b["times"]),
+        )
+        ref.append(t_ref)
+        off.append(t_off)
+        on.append(t_on)
+        r_off.append(t_off / t_ref)
+        r_on.append(t_on / t_ref)
+        print(
+            f"overhead.py: round {i + 1}/{h.OVERHEAD_ROUNDS}: plain {t_ref * 1e3:.1f} ms, "
+            f"sft-runtime {t_off * 1e3:.1f} ms, prefetch2 {t_on * 1e3:.1f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+        losses = (plain["losses"], a["losses"], b["losses"])
+    diff = max(max(abs(x - y), abs(x - z)) for x, y, z in zip(*losses, strict=True))
+    ratio_off, ratio_on = statistics.median(r_off), statistics.median(r_on)
+    ms = 1e3
+    target = f"<= {h.OVERHEAD_TARGET}x"
+    rows = [
+        h.row(
+            name,
+            statistics.median(times) * ms,
+            "ms",
+            statistics.median(ref) * ms,
+            target,
+            ratio <= h.OVERHEAD_TARGET,
+            ratio,
+        )
+        for name, times, ratio in (
+            ("step.time.sft_runtime", off, ratio_off),
+            ("step.time.sft_runtime_prefetch2", on, ratio_on),
+        )
+    ]
+    extra = statistics.median(b - a for a, b in zip(ref, off, strict=True)) * ms
+    return [
+        *rows,
+        h.row("step.overhead_per_step (sft-runtime - plain)", extra, "ms"),
+        h.row("step.max_loss_diff_vs_plain", diff, "nats", None, "== 0", diff == 0.0),
+    ]
+
+
+if __name__ == "__main__":
+    h.main(run, __doc__)

@@ -1,0 +1,179 @@
+"""The reference of the end-to-end benchmarks: the same training as a plain loop.
+
+One subprocess of this file per DP rank (no Ray), gloo, one torch thread, the same model,
+seed, optimizer, schedule, loss, micro-batching and gradient all-reduce as
+`sft_runtime.runtime.policy.replica`, timed the same way as sft-runtime (mean interval between
+step ends). The batches come either from a file written beforehand from the very loader
+stream sft-runtime trains on (`pretokenize`: the loop does no loading, and the losses
+agree), or from a `ColocatedLoader` each rank drives inline (load, train, commit).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if not __package__:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.harness import SEED, loader_specs, master_config, placement_hash  # noqa: E402
+
+
+class PlainLoop:
+    """One rank of the plain torch.distributed loop (the math of `Replica`, no Ray)."""
+
+    def __init__(self, job: dict) -> None:
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        from sft_runtime.runtime.policy.loss import NLLLossFn
+        from sft_runtime.runtime.policy.model import build_model
+
+        self.torch, self.dist, self.job = torch, dist, job
+        rank, world = job["rank"], job["world"]
+        config = master_config(job["raw"])
+        self.policy = config.policy
+        torch.set_num_threads(1)
+        random.seed(SEED + rank)
+        np.random.seed(SEED + rank)
+        torch.manual_seed(SEED + rank)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=world
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            self.model = build_model(self.policy.model)
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = self.policy.optimizer
+        self.opt = torch.optim.AdamW(
+            self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.fn = NLLLossFn()
+        self.steps_done = 0
+        self.loader = None
+        self.batches: list = []
+        if job["batches"]:
+            self.batches = torch.load(job["batches"], weights_only=False)[rank]
+        else:
+            from sft_runtime.runtime.data.loader import ColocatedLoader
+
+            spec = loader_specs(config, world)[rank]
+            self.loader = ColocatedLoader(spec, rank, world, placement_hash(world))
+            self.loader.setup()
+
+    def _batch(self, step: int):
+        if self.loader is None:
+            return self.batches[step]
+        self.loader.load()
+        return self.loader.active_batch
+
+    def step(self, step: int) -> float:
+        from sft_runtime.runtime.policy.schedule import lr_at
+
+        torch, dist, fn = self.torch, self.dist, self.fn
+        batch = self._batch(step)
+        count = torch.tensor([float(fn.valid_tokens(batch)), 0.0], dtype=torch.float64)
+        dist.all_reduce(count)
+        total = int(count[0].item())
+        self.model.zero_grad(set_to_none=True)
+        size, nll = self.policy.train_micro_batch_size, 0.0
+        for start in range(0, batch.num_rows, size):
+            mb = batch.rows(start, min(start + size, batch.num_rows))
+            logits = self.model(mb.input_ids, mb.position_ids, mb.segment_ids)
+            loss, metrics = fn(logits, mb, total)
+            loss.backward()
+            nll += float(metrics["nll_sum"])
+        grads = [p.grad for p in self.params]
+        tail = torch.tensor([nll, 0.0], dtype=torch.float32)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [tail])
+        dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(p)
+            offset += g.numel()
+        torch.nn.utils.clip_grad_norm_(self.params, self.policy.max_grad_norm)
+        lr = lr_at(self.steps_done, self.policy.optimizer.lr, self.policy.scheduler)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.model.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        if self.loader is not None:
+            self.loader.commit()
+        return float(flat[-2].item()) / max(total, 1)
+
+    def run(self) -> dict:
+        times, losses = [], []
+        for step in range(self.job["steps"]):
+            losses.append(self.step(step))
+            times.append(time.time())
+        self.dist.destroy_process_group()
+        if self.loader is not None:
+            self.loader.close()
+        return {"times": times, "losses": losses}
+
+
+def plain_run(raw: dict, world: int, steps: int, batches: Path | None) -> dict:
+    """Run the plain loop on `world` subprocesses; rank 0's step end times and losses."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        job = {
+            "rank": rank,
+            "world": world,
+            "port": port,
+            "raw": raw,
+            "steps": steps,
+            "batches": str(batches) if batches else None,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, json.dumps(job)],
+                stdout=subprocess.PIPE,
+                cwd=ROOT,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p in procs:
+        if p.returncode:
+            raise RuntimeError(f"plain loop rank exited with {p.returncode}")
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def pretokenize(raw: dict, world: int, steps: int, out: Path) -> Path:
+    """The first `steps` batches of every rank's loader stream, saved for the plain loop."""
+    import torch
+
+    from sft_runtime.runtime.data.loader import ColocatedLoader
+
+    config = master_config(raw)
+    per_rank = []
+    for rank, spec in enumerate(loader_specs(config, world)):
+        loader = ColocatedLoader(spec, rank, world, placement_hash(world))
+        loader.setup()
+        batches = []
+        for _ in range(steps):
+            loader.load()
+            batches.append(loader.active_batch)
+            loader.commit()
+        loader.close()
+        per_rank.append(batches)
+    torch.save(per_rank, out)
+    return out
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    print(json.dumps(PlainLoop(json.loads(sys.argv[1])).run()), flush=True)
