@@ -3,6 +3,7 @@
 Depends on `events/` only; never imports ray or torch.
 """
 
+from sft_runtime.states.fold import apply, replay
 from sft_runtime.states.machine import (
     STATES,
     TRANSITIONS,
@@ -11,7 +12,7 @@ from sft_runtime.states.machine import (
     build_machine,
 )
 from sft_runtime.states.rules import StepRules
-from sft_runtime.states.save_state import SFTV2SaveState, apply, initial_save_state, replay
+from sft_runtime.states.save_state import SFTV2SaveState, initial_save_state
 from sft_runtime.states.step import StepInFlight, StepPhase
 
 __all__ = [

@@ -20,9 +20,15 @@ from typing import TYPE_CHECKING, Any
 from transitions import EventData, Machine
 
 from sft_runtime.events.log import EventLog
-from sft_runtime.events.schemas import EventPayload, LogRepaired, RunStopped, StepAborted
+from sft_runtime.events.schemas import EventPayload, LogRepaired
+from sft_runtime.states.fold import (
+    HANDLERS,
+    apply,
+    run_stopped_event,
+    step_aborted_event,
+)
 from sft_runtime.states.rules import StepRules
-from sft_runtime.states.save_state import HANDLERS, SFTV2SaveState, apply, initial_save_state
+from sft_runtime.states.save_state import SFTV2SaveState, initial_save_state
 
 
 class ControllerState(Enum):
@@ -162,11 +168,10 @@ class ControllerModel:
     def record_abort(self, event: EventData) -> None:
         error: BaseException = event.kwargs["error"]
         self._append(
-            StepAborted(
-                step=self.save_state.total_steps + 1,
-                phase=event.kwargs.get("phase") or self.state.value,
-                error_type=type(error).__name__,
-                error=str(error)[:2000],
+            step_aborted_event(
+                self.save_state.total_steps + 1,
+                event.kwargs.get("phase") or self.state.value,
+                error,
                 trace_id=event.kwargs.get("trace_id"),
                 span_id=event.kwargs.get("span_id"),
             )
@@ -174,10 +179,8 @@ class ControllerModel:
 
     def record_stop(self, event: EventData) -> None:
         self._append(
-            RunStopped(
-                reason=event.kwargs["reason"],
-                last_step=self.save_state.total_steps,
-                error=event.kwargs.get("error"),
+            run_stopped_event(
+                event.kwargs["reason"], self.save_state.total_steps, event.kwargs.get("error")
             )
         )
 

@@ -29,6 +29,7 @@ from sft_runtime.runtime.config import MasterConfig, run_checkpoints
 from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.states import SFTV2SaveState
+from sft_runtime.states.fold import checkpoint_saved_event
 
 CHECKPOINT_FORMAT = 1
 
@@ -156,9 +157,8 @@ class CheckpointWrite:
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
-        return saved_event(
-            self.state, final, self.info["metric"], time.perf_counter() - self.started
-        )
+        seconds = time.perf_counter() - self.started
+        return checkpoint_saved_event(self.state, final, self.info["metric"], seconds)
 
     def discard(self) -> None:
         """Give the checkpoint up: wait (errors ignored) for the workers, drop the files."""
@@ -172,18 +172,3 @@ DISCARD_WAIT_S = 30.0
 def config_yaml(config: dict[str, Any]) -> str:
     """The run's config as written into every checkpoint (render once per run: ~2 ms)."""
     return yaml.safe_dump(config, sort_keys=False)
-
-
-def saved_event(
-    state: SFTV2SaveState, path: Path, metric: float | None, seconds: float
-) -> CheckpointSaved:
-    """The ``checkpoint_saved`` record of a checkpoint of ``state`` written to ``path``."""
-    return CheckpointSaved(
-        step=state.total_steps,
-        path=str(path),
-        total_steps=state.total_steps,
-        consumed_samples=state.consumed_samples,
-        total_valid_tokens=state.total_valid_tokens,
-        metric=metric,
-        seconds=seconds,
-    )

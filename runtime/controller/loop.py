@@ -19,7 +19,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from sft_runtime.events import LoadersReady, RunStarted, open_log
+from sft_runtime.events import open_log
 from sft_runtime.runtime.checkpoint.save import Checkpointer
 from sft_runtime.runtime.config import (
     MasterConfig,
@@ -31,10 +31,11 @@ from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.controller.metrics import (
     SFT_V2_TEED_METRICS,
     check_envelopes,
-    committed_event,
     run_summary,
+    sample_digest,
     step_attributes,
     step_metrics,
+    step_timings,
 )
 from sft_runtime.runtime.controller.metrics_log import MetricsLogger
 from sft_runtime.runtime.controller.step import StepCalls
@@ -42,7 +43,7 @@ from sft_runtime.runtime.data.factory import build_colocated_loader
 from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.launch.liveness import check_driver
 from sft_runtime.runtime.policy.calls import Pending
-from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase
+from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase, fold
 from sft_runtime.traces.context import attached, inject_carrier, span_ids
 from sft_runtime.traces.metrics import StepInstruments
 from sft_runtime.traces.setup import setup_telemetry
@@ -140,12 +141,11 @@ class SFTController:
             log_cfg.log_dir or self.run_dir, jsonl=log_cfg.jsonl, tensorboard=log_cfg.tensorboard
         )
         self.model.start(
-            event=RunStarted(
-                placement_hash=state.placement_hash,
-                resumed_from_step=state.total_steps or None,
+            event=fold.run_started_event(
+                state,
                 max_steps=self.max_steps,
                 logical_world_size=self.plan.logical_world_size,
-                node_ids=list(self.args.train_cluster.get("node_ids", [])),
+                node_ids=self.args.train_cluster.get("node_ids", []),
                 host=socket.gethostname(),
                 pid=os.getpid(),
             )
@@ -178,9 +178,9 @@ class SFTController:
         )
         self.group.prepare_for_training(carrier=inject_carrier())
         self.model.loaders_ready(
-            event=LoadersReady(
-                owner_ranks=owners,
-                logical_world_size=plan.logical_world_size,
+            event=fold.loaders_ready_event(
+                owners,
+                plan.logical_world_size,
                 restored=restored is not None,
                 seconds=time.perf_counter() - t0,
             )
@@ -214,7 +214,15 @@ class SFTController:
                 now.committed()
                 self._fault_after(P.commit, step)
                 now.enter(P.record)
-                payload = committed_event(step, metrics, envelopes, *span_ids(span))
+                trace_id, span_id = span_ids(span)
+                payload = fold.step_committed_event(
+                    step,
+                    metrics,
+                    timings=step_timings(metrics),
+                    sample_digests=[sample_digest(e.source_ids) for e in envelopes],
+                    trace_id=trace_id,
+                    span_id=span_id,
+                )
                 with traced("rl.sft_v2.event_append"):
                     self.model.commit(event=payload)
                 self._fault_after(P.record, step)

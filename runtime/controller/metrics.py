@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sft_runtime.events import StepCommitted
 from sft_runtime.runtime.data.batch import StepEnvelope
 
 LOADER_LATENCY_MAX_KEY = "loader_latency_max"
@@ -109,27 +108,9 @@ TIMING_KEYS = (
 )
 
 
-def committed_event(
-    step: int,
-    metrics: dict[str, Any],
-    envelopes: Sequence[StepEnvelope],
-    trace_id: str | None,
-    span_id: str | None,
-) -> StepCommitted:
-    """The `step_committed` payload: counters, loss, timings, per-rank sample digests."""
-    return StepCommitted(
-        step=step,
-        source_samples=metrics["source_samples"],
-        valid_tokens=metrics["valid_tokens"],
-        physical_packs=metrics["physical_packs"],
-        loss=metrics["loss"],
-        grad_norm=metrics["grad_norm"],
-        lr=metrics["lr"],
-        timings={k: float(metrics[k]) for k in TIMING_KEYS if k in metrics},
-        sample_digests=[sample_digest(e.source_ids) for e in envelopes],
-        trace_id=trace_id,
-        span_id=span_id,
-    )
+def step_timings(metrics: dict[str, Any]) -> dict[str, float]:
+    """The timing metrics a ``step_committed`` record carries."""
+    return {k: float(metrics[k]) for k in TIMING_KEYS if k in metrics}
 
 
 def step_attributes(metrics: dict[str, Any], consumed_samples: int) -> dict[str, Any]:
