@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
+from sft_runtime.runtime.controller.metrics import STEP_METRIC_KEYS
 from sft_runtime.runtime.data.config import (
     DataConfig,
     LoaderSpec,
@@ -77,7 +78,7 @@ class CheckpointingConfig(BaseModel):
     metric_name: str | None = None
     higher_is_better: bool = False
     keep_top_k: int | None = Field(None, ge=1)
-    ft_keep_latest_k: int = Field(1, ge=1)
+    ft_keep_latest_k: int | None = Field(None, ge=1)
     checkpoint_must_save_by: str | None = None  # "DD:HH:MM:SS" after the controller starts
     save_optimizer: bool = True
 
@@ -88,6 +89,9 @@ class CheckpointingConfig(BaseModel):
             raise ValueError(
                 f"must be null or 'train:<metric>' (for example 'train:loss'), got {value!r}"
             )
+        if value is not None and value.removeprefix("train:") not in STEP_METRIC_KEYS:
+            known = ", ".join(f"train:{key}" for key in sorted(STEP_METRIC_KEYS))
+            raise ValueError(f"{value!r} is not a training metric; available: {known}")
         return value
 
     @field_validator("checkpoint_must_save_by")
@@ -150,6 +154,15 @@ class MasterConfig(BaseModel):
             raise ValueError(
                 f"data.max_input_seq_length ({data.max_input_seq_length}) must be divisible by "
                 f"policy.make_sequence_length_divisible_by ({pad}) when packing"
+            )
+        world = self.cluster.world_size  # every worker is one data-parallel rank
+        per_rank, rest = divmod(policy.train_global_batch_size, world)
+        if rest or per_rank % policy.train_micro_batch_size:
+            raise ValueError(
+                f"policy.train_global_batch_size ({policy.train_global_batch_size}) must be a "
+                f"multiple of the data-parallel size (cluster.num_nodes x "
+                f"cluster.workers_per_node = {world}) x policy.train_micro_batch_size "
+                f"({policy.train_micro_batch_size})"
             )
         model = policy.model
         if model.kind == "transformer" and model.max_seq_len < data.max_input_seq_length:
@@ -303,6 +316,7 @@ def run_checkpoints(config: MasterConfig) -> CheckpointDir:
     ck = config.checkpointing
     return CheckpointDir(
         checkpoint_root(config),
+        save_period=ck.save_period,
         keep_top_k=ck.keep_top_k,
         ft_keep_latest_k=ck.ft_keep_latest_k,
         higher_is_better=ck.higher_is_better,

@@ -2,8 +2,10 @@
 
 The CLI maps `UserInputError` (and its subclasses) to exit code 2, so anything raised
 because a user's config, data set, arguments or files are wrong should derive from it
-and name the key, file or line in its message. `quietly` is the other half of the error
-policy: a cleanup step never hides the original error, its own failure becomes a warning.
+and name the key, file or line in its message. It is a `ValueError`, as bad input is in the
+reference and in pydantic, so embedding code that catches ``ValueError`` keeps working.
+`quietly` is the other half of the error policy: a cleanup step never hides the original
+error, its own failure becomes a warning.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-class UserInputError(Exception):
+class UserInputError(ValueError):
     """Bad input from the user: a config value, an argument, a file. CLI exit code 2."""
 
 

@@ -7,7 +7,8 @@ off and a trigger that is not in the table for the current state raises `Machine
 
 Guards look at ``next_state``: the save state a trigger *would* produce. transitions
 evaluates conditions before the callback that records the step, so the machine's
-``prepare_event`` computes it once per trigger, with the same handler the fold uses.
+``prepare_event`` computes it once per trigger, with the same handler the fold uses. The same
+callback reads the clock for the step pace, so a deadline is judged as of the step's end.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sft_runtime.states.fold import (
     run_stopped_event,
     step_aborted_event,
 )
+from sft_runtime.states.pace import StepPace
 from sft_runtime.states.rules import StepRules
 from sft_runtime.states.save_state import SFTV2SaveState, initial_save_state
 
@@ -126,11 +128,33 @@ class ControllerModel:
         self.stop_requested = False
         self.last_saved_step = self.save_state.total_steps  # a resume starts from a checkpoint
         self.next_state = self.save_state  # what the trigger being fired would make of it
+        self.pace = StepPace()
+        self._timed_out = False
         self.machine = build_machine(self)
+
+    # -- the deadline -----------------------------------------------------------------------
+    def save_by_timeout(self) -> bool:
+        """The deadline's verdict, latched: once another step of the mean length would end
+        past it, the run saves now and stops (it never un-fires)."""
+        if not self._timed_out:
+            self._timed_out = self.rules.timed_out(self.clock(), self.pace.mean_step_s)
+        return self._timed_out
+
+    def deadline_within(self, steps: int) -> bool:
+        """The deadline would fire within ``steps`` more steps of the mean length (a forecast
+        for work sent ahead; it latches nothing)."""
+        mean = self.pace.mean_step_s
+        return self.save_by_timeout() or self.rules.timed_out(self.clock() + steps * mean, mean)
 
     # -- guards ---------------------------------------------------------------------------
     def prepare_next_state(self, event: EventData) -> None:
-        """Before any guard of a trigger: the save state its event would fold to."""
+        """Before any guard of a trigger: the save state its event would fold to, and the
+        step's end on the pace clock."""
+        trigger = event.event.name
+        if trigger == "loaders_ready":
+            self.pace.start(self.clock())
+        elif trigger == "commit":
+            self.pace.step_ended(self.clock())
         payload = event.kwargs.get("event")
         handler = None if payload is None else HANDLERS.get(payload.event_type)
         self.next_state = (
@@ -142,11 +166,14 @@ class ControllerModel:
         return self.rules.checkpointing and self.save_state.total_steps > self.last_saved_step
 
     def save_due(self, event: EventData) -> bool:
-        return self.rules.save_due(self.next_state, now=self.clock(), stopping=self.stop_requested)
+        return self.rules.save_due(
+            self.next_state, stopping=self.stop_requested, timed_out=self.save_by_timeout()
+        )
 
     def should_stop(self, event: EventData) -> bool:
-        state = self.next_state
-        return self.rules.should_stop(state, now=self.clock(), stopping=self.stop_requested)
+        return self.rules.should_stop(
+            self.next_state, stopping=self.stop_requested, timed_out=self.save_by_timeout()
+        )
 
     # -- callbacks: the only places events are appended -----------------------------------
     def _append(self, payload: EventPayload) -> None:

@@ -24,6 +24,14 @@ class SFTV2SaveState:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def overlay(self, data: dict[str, Any]) -> SFTV2SaveState:
+        """This state with the fields ``data`` has; unknown keys are ignored."""
+        values = self.to_dict()
+        for key in values:
+            if data.get(key) is not None:
+                values[key] = str(data[key]) if key == "placement_hash" else int(data[key])
+        return SFTV2SaveState(**values)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SFTV2SaveState:
         missing = [

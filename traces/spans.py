@@ -38,6 +38,7 @@ STEP_SPAN = "rl.sft_v2.step"
 POLICY_TRAINING_SPAN = "rl.sft_v2.policy_training"
 SAVE_SPAN = "rl.sft_v2.save"
 JOB_TRACE_ATTR = "sft.job.trace_id"
+PHASE_ATTR = "sft.step.phase"  # the step phase a span belongs to (`states.step.StepPhase`)
 
 
 def record_error(span: Span, exc: BaseException) -> None:

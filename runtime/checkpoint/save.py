@@ -7,9 +7,11 @@ moment leaves either a complete ``step_<N>`` or a stale temp directory that the 
 removes.
 
 `Checkpointer.save` does it in one call. The controller uses the same two halves on their
-own (`begin` sends the workers' calls, `CheckpointWrite.complete` waits and commits) so it
+own (`begin` sends the workers' writes, `CheckpointWrite.complete` waits and commits) so it
 can queue the next step behind the workers' writes in between: the workers go on training
-while the controller finishes the directory.
+while the controller finishes the directory. The loader states come in already taken (the
+controller's `_loader_state_dicts`): they are small, and taking them first means the step
+queued behind the writes can never move a loader before its state is read.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ class CheckpointWriteError(OSError):
     """Writing a checkpoint failed (disk full, say): the run stops, nothing saved is lost."""
 
 
-def state_metric(metric_name: str | None, metrics: dict[str, Any]) -> float | None:
-    """The value of ``train:<key>`` among a step's metrics; unknown keys list the known."""
+def state_metric(metric_name: str | None, metrics: dict[str, Any]) -> dict[str, float]:
+    """``{metric_name: value}`` from a step's metrics (``{}`` without a name), keyed the way
+    the reference keys its checkpoint metrics (``train:<key>``); unknown keys list the known."""
     if metric_name is None:
-        return None
+        return {}
     key = metric_name.removeprefix("train:")
     if key not in metrics:
         known = ", ".join(f"train:{k}" for k in sorted(metrics))
@@ -49,7 +52,7 @@ def state_metric(metric_name: str | None, metrics: dict[str, Any]) -> float | No
             f"checkpointing.metric_name {metric_name!r} is not a training metric; "
             f"available: {known}"
         )
-    return float(metrics[key])
+    return {metric_name: float(metrics[key])}
 
 
 class Checkpointer:
@@ -61,8 +64,9 @@ class Checkpointer:
         self.store = store if store is not None else run_checkpoints(config)
         self._config_yaml = config_yaml(config.model_dump(mode="json"))  # ~2 ms: once a run
 
-    def metric(self, metrics: dict[str, Any]) -> float | None:
-        """The value checkpoints are ranked by; an unknown name fails at the first step."""
+    def metric(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """``{"train:<name>": value}`` checkpoints are ranked by; an unknown name fails at the
+        first step."""
         return state_metric(self.config.checkpointing.metric_name, metrics)
 
     def save(self, state: SFTV2SaveState, **kwargs: Any) -> CheckpointSaved:
@@ -74,41 +78,39 @@ class Checkpointer:
         state: SFTV2SaveState,
         *,
         kinds: tuple[str, ...],
-        metric: float | None,
+        loader_states: list[bytes],
+        metric: dict[str, float],
         attempt: int | None,
         final: bool,
-        commit_first: bool = False,
         carrier: dict | None = None,
     ) -> CheckpointWrite:
-        """Open ``tmp_step_<N>`` and send the workers' calls in one wave: commit the last
-        step's batches first when no step start carried that commit (``commit_first``),
-        take every owner's loader state, write the policy files."""
+        """Open ``tmp_step_<N>`` and send every worker its share of the policy files
+        (weights, optimizer, RNG, tokenizer); ``loader_states`` are the owners' pickled
+        states at this step."""
         tmp = self.store.begin(state.total_steps)
         try:
             policy = tmp / "policy"
             optimizer = policy / "optimizer" if self.config.checkpointing.save_optimizer else None
-            commit = self.group.send_commit(carrier=carrier) if commit_first else None
-            states = self.group.send_loader_state_bytes(carrier=carrier)
             files = self.group.send_save(
                 str(policy / "weights"),
                 None if optimizer is None else str(optimizer),
                 final=final,
                 rng_path=str(policy / "rng"),
+                tokenizer_path=str(policy / "tokenizer"),
                 carrier=carrier,
             )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        wave = states + files if commit is None else commit + states + files
         info = {
             "kinds": list(kinds),
+            **metric,  # "train:<name>": value, as the reference's training_info has it
             "metric_name": self.config.checkpointing.metric_name,
-            "metric": metric,
+            "metric": next(iter(metric.values()), None),
             "attempt": attempt,
             "num_threads_per_worker": self.config.cluster.num_threads_per_worker,
         }
-        first = 0 if commit is None else len(commit)
-        return CheckpointWrite(self, state, tmp, wave, slice(first, first + len(states)), info)
+        return CheckpointWrite(self, state, tmp, files, list(loader_states), info)
 
     def prune(self) -> list[int]:
         """Apply the retention rules; returns the steps removed."""
@@ -123,8 +125,8 @@ class CheckpointWrite:
     owner: Checkpointer
     state: SFTV2SaveState
     tmp: Path
-    wave: Any  # the workers' calls (`Pending`)
-    loader_results: slice  # where the loader states sit among the wave's results
+    wave: Any  # the workers' writes (`Pending`)
+    loader_states: list[bytes]
     info: dict[str, Any]
     started: float = field(default_factory=time.perf_counter)
 
@@ -132,15 +134,15 @@ class CheckpointWrite:
         """Wait for the workers, write the rest, fsync and rename; the event to record."""
         store, step, attempt = self.owner.store, self.state.total_steps, self.info["attempt"]
         try:
-            loader_states = self.owner.group.wait(self.wave)[self.loader_results]
+            self.owner.group.wait(self.wave)
             fault_point("saving:after_weights", step=step, attempt=attempt)
-            (self.tmp / LOADERS_NAME).write_bytes(dumps_loader_states(loader_states))
+            (self.tmp / LOADERS_NAME).write_bytes(dumps_loader_states(self.loader_states))
             (self.tmp / "config.yaml").write_text(self.owner._config_yaml)
             full_info = {
                 "format": CHECKPOINT_FORMAT,
                 "step": step,
                 "save_state": self.state.to_dict(),
-                "logical_world_size": len(loader_states),
+                "logical_world_size": len(self.loader_states),
                 "time": time.time(),
                 **self.info,
             }

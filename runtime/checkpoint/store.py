@@ -9,9 +9,11 @@ newest record agree.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,63 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def retained_steps(
+    steps: Iterable[int],
+    metrics: Mapping[int, float | None] | None,
+    save_period: int,
+    keep_top_k: int | None,
+    ft_keep_latest_k: int | None,
+    higher_is_better: bool,
+) -> set[int]:
+    """The checkpoints that survive pruning, by the NeMo RL reference's rules.
+
+    Periodicity comes from the step number alone (``step % save_period == 0``), never from
+    why a save happened, so the off-period saves a stop, a signal or the deadline makes do
+    not pile up as if they were periodic. A null limit means "no limit" on its own set, but
+    with both limits null nothing is pruned at all, so a default config never deletes
+    anything. ``metrics`` without an entry (or None) for a step ranks that step worst, and
+    equal metrics keep the newer step; with no metrics at all ``keep_top_k`` is by recency.
+    """
+    ordered = sorted(set(steps))
+    if not ordered or (keep_top_k is None and ft_keep_latest_k is None):
+        return set(ordered)
+    keep = {ordered[-1]}
+    periodic = [s for s in ordered if save_period > 0 and s % save_period == 0]
+    if keep_top_k is None:
+        keep.update(periodic)
+    else:
+        keep.update(_ranked(periodic, metrics or {}, higher_is_better)[: max(keep_top_k, 0)])
+    if ft_keep_latest_k is not None:
+        keep.update(ordered[::-1][: max(ft_keep_latest_k, 0)])
+    return keep
+
+
+def _ranked(
+    steps: list[int], metrics: Mapping[int, float | None], higher_is_better: bool
+) -> list[int]:
+    """Best first; a step with no usable metric after every step with one, and between
+    equals the newer first, so with no metrics this is newest first."""
+    sign = -1.0 if higher_is_better else 1.0
+
+    def key(step: int) -> tuple[int, float, int]:
+        metric = metrics.get(step)
+        if metric is None:
+            return (1, 0.0, -step)
+        return (0, sign * metric, -step)
+
+    return sorted(steps, key=key)
+
+
+def _usable_metric(info: Any) -> float | None:
+    """A recorded metric that can be ranked; anything else (absent, null, NaN, not a
+    number) counts as missing rather than failing the prune."""
+    metric = info.get("metric") if isinstance(info, dict) else None
+    if isinstance(metric, bool) or not isinstance(metric, int | float):
+        return None
+    metric = float(metric)
+    return None if math.isnan(metric) else metric
+
+
 class CheckpointDir:
     """``<checkpoint_dir>/step_<N>`` for one run, with retention rules."""
 
@@ -43,11 +102,13 @@ class CheckpointDir:
         self,
         root: Path | str,
         *,
+        save_period: int = 0,
         keep_top_k: int | None = None,
-        ft_keep_latest_k: int = 1,
+        ft_keep_latest_k: int | None = None,
         higher_is_better: bool = False,
     ) -> None:
         self.root = Path(root)
+        self.save_period = save_period
         self.keep_top_k = keep_top_k
         self.ft_keep_latest_k = ft_keep_latest_k
         self.higher_is_better = higher_is_better
@@ -101,37 +162,31 @@ class CheckpointDir:
             raise UserInputError(f"{path}: not valid JSON ({exc})") from None
 
     def prune(self) -> list[int]:
-        """Apply retention; the newest checkpoint is always kept. Returns removed steps."""
+        """Delete what `retained_steps` does not keep; returns the removed steps.
+
+        An unreadable training_info.json ranks its checkpoint worst instead of failing: a
+        damaged old checkpoint must not stop a run that just saved a good one, and the
+        newest is kept whatever its info says.
+        """
         steps = self.steps()
-        if len(steps) <= 1:
-            return []
-        keep = {steps[-1]}
-        periodic, ft_only = [], []
-        for step in steps:
-            info = self.info(step)
-            kinds = set(info.get("kinds", ["periodic"]))
-            if kinds - {"ft"}:
-                periodic.append((step, info.get("metric")))
-            else:
-                ft_only.append(step)
-        keep.update(ft_only[-self.ft_keep_latest_k :])
-        if self.keep_top_k is None:
-            keep.update(step for step, _ in periodic)
-        else:
-            keep.update(step for step, _ in self._best(periodic)[: self.keep_top_k])
+        metrics = None
+        if self.keep_top_k is not None:  # the only rule that reads the metric
+            metrics = {step: self._metric(step) for step in steps}
+        keep = retained_steps(
+            steps,
+            metrics,
+            self.save_period,
+            self.keep_top_k,
+            self.ft_keep_latest_k,
+            self.higher_is_better,
+        )
         removed = [s for s in steps if s not in keep]
         for step in removed:
             shutil.rmtree(self.path(step), ignore_errors=True)
         return removed
 
-    def _best(self, entries: list[tuple[int, float | None]]) -> list[tuple[int, float | None]]:
-        """Best metric first; without a metric, newest first."""
-        sign = -1.0 if self.higher_is_better else 1.0
-
-        def key(entry: tuple[int, float | None]) -> tuple[int, float, int]:
-            step, metric = entry
-            if metric is None:
-                return (1, 0.0, -step)
-            return (0, sign * metric, -step)
-
-        return sorted(entries, key=key)
+    def _metric(self, step: int) -> float | None:
+        try:
+            return _usable_metric(self.info(step))
+        except (UserInputError, OSError, UnicodeDecodeError):
+            return None

@@ -49,6 +49,7 @@ from sft_runtime.traces.metrics import StepInstruments
 from sft_runtime.traces.setup import setup_telemetry
 from sft_runtime.traces.spans import (
     JOB_SPAN,
+    PHASE_ATTR,
     POLICY_TRAINING_SPAN,
     SAVE_SPAN,
     record_error,
@@ -111,11 +112,11 @@ class SFTController:
                     self.model.stop_requested = self._stop.is_set()
                     if self.model.halt():  # to saving first when steps are unsaved
                         self.calls.drop_ahead()
-                        if self._should_save():
+                        if self._should_save(save_by_timeout=self.model.save_by_timeout()):
                             self._save_checkpoint()
                         break
                     self._run_one_step()
-                    if self._should_save():
+                    if self._should_save(save_by_timeout=self.model.save_by_timeout()):
                         self._save_checkpoint()
                 reason = self._end_reason()
             except BaseException as exc:
@@ -207,7 +208,7 @@ class SFTController:
                     total_time=time.perf_counter() - t0,
                 )
                 now.enter(P.metrics)
-                self._checkpoint_metric(metrics)
+                self._checkpoint_metric(metrics)  # an unknown metric name fails at step 1
                 now.enter(P.commit)
                 self._check_driver()  # a killed run commits no step after its driver died
                 self.calls.recorded()  # the loader commit goes with the next start
@@ -223,7 +224,7 @@ class SFTController:
                     trace_id=trace_id,
                     span_id=span_id,
                 )
-                with traced("rl.sft_v2.event_append"):
+                with traced("rl.sft_v2.event_append", attributes={PHASE_ATTR: P.record.value}):
                     self.model.commit(event=payload)
                 self._fault_after(P.record, step)
             except BaseException as exc:
@@ -246,7 +247,9 @@ class SFTController:
         start = self.calls.start(step, carrier)
         finish = self.calls.finish(carrier)
         state = replace(self.model.save_state, total_steps=step)
-        if self.model.rules.continues_after(state, time.time(), stopping=self._stop.is_set()):
+        # this step ends about one mean step from now: would the deadline fire at its end?
+        soon = self.model.deadline_within(1)
+        if self.model.rules.continues_after(state, stopping=self._stop.is_set(), timed_out=soon):
             self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
         envelopes = self._load_envelopes(start, step)
         return envelopes, self.group.wait(finish)
@@ -264,7 +267,10 @@ class SFTController:
     def _send_ahead_past_save(self, state: Any) -> None:
         """Workers start the next step once their checkpoint files are written, while the
         controller finishes the checkpoint (unless the run stops: `StepCalls.drop_ahead`)."""
-        if not self.model.rules.should_stop(state, now=time.time(), stopping=self._stop.is_set()):
+        timed_out = self.model.save_by_timeout()
+        if not self.model.rules.should_stop(
+            state, stopping=self._stop.is_set(), timed_out=timed_out
+        ):
             step, attempt = state.total_steps + 1, self._attempt  # the save committed
             self.calls.send_ahead(step, commit=False, attempt=attempt, job=self._job)
 
@@ -278,35 +284,45 @@ class SFTController:
         return call(carrier=inject_carrier())
 
     def _loader_state_dicts(self) -> list[bytes]:
-        """Each owner's loader state, pickled in the worker (see `dump_loader_state`)."""
+        """Each owner's loader state at the last committed step, pickled in the worker (see
+        `dump_loader_state`): a start sent ahead is undone and the step's commit sent first."""
         self.calls.drop_ahead()
         self.calls.flush_commit()
         return self._owner_call(self.group.loader_state_bytes)
 
-    def _should_save(self) -> bool:
-        """The machine's save rules moved it to ``saving`` (see `StepRules.save_due`)."""
-        return self.model.state is S.saving
+    def _should_save(self, *, save_by_timeout: bool) -> bool:
+        """Whether a checkpoint is written now: the machine's save rules moved it to
+        ``saving`` (a save period, the end of the budget, a stop request, or the deadline,
+        whose verdict ``save_by_timeout`` is: the guards read the same latched one)."""
+        saving = self.model.state is S.saving
+        if save_by_timeout and self.model.rules.checkpointing and not saving:
+            unsaved = self.model.save_state.total_steps > self.model.last_saved_step
+            if unsaved:
+                raise RuntimeError(
+                    "the deadline passed with unsaved steps but the machine is not saving"
+                )
+        return saving
 
-    def _checkpoint_metric(self, metrics: dict[str, Any]) -> float | None:
-        """The value checkpoints are ranked by; an unknown name fails at the first step."""
+    def _checkpoint_metric(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """``{"train:<name>": value}`` for ``checkpointing.metric_name`` (``{}`` without
+        one); an unknown name fails at the first step, listing the known ones."""
         return self.checkpointer.metric(metrics)
 
     def _save_checkpoint(self) -> None:
         """Write the checkpoint of the save state; the workers go on to the next step (sent
         behind their files) while the controller completes the directory."""
         state, rules, attempt = self.model.save_state, self.model.rules, self._attempt
-        kinds = rules.save_kinds(state, now=time.time(), stopping=self.model.stop_requested)
+        stopping, timed_out = self.model.stop_requested, self.model.save_by_timeout()
+        kinds = rules.save_kinds(state, stopping=stopping, timed_out=timed_out)
+        metrics = self._policy_metrics()
         with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
-            self.calls.drop_ahead()
             write = self.checkpointer.begin(
                 state,
                 kinds=kinds,
-                metric=self._checkpoint_metric(self._policy_metrics())
-                if self._last_metrics
-                else None,
+                loader_states=self._loader_state_dicts(),
+                metric=self._checkpoint_metric(metrics) if metrics else {},
                 attempt=attempt,
                 final=rules.budget_reached(state),
-                commit_first=self.calls.take_commit(),
                 carrier=inject_carrier(),
             )
             try:
@@ -380,7 +396,9 @@ class SFTController:
     def _end_reason(self) -> str:
         if self._stop.is_set():
             return "interrupted"
-        return "timeout" if self.model.rules.timed_out(time.time()) else "completed"
+        if self.model.rules.budget_reached(self.model.save_state):
+            return "completed"
+        return "timeout" if self.model.save_by_timeout() else "completed"
 
     def _summary(self, start_step: int, reason: str) -> dict[str, Any]:
         return run_summary(

@@ -17,6 +17,24 @@ LOADER_LATENCY_MAX_KEY = "loader_latency_max"
 POLICY_TIME_KEY = "policy_time"
 TOTAL_STEP_TIME_KEY = "total_step_time"
 VALID_TOKENS_PER_SECOND_KEY = "valid_tokens_per_second"
+WORKER_TIME_KEYS = ("forward_backward_s", "allreduce_s", "optimizer_s")
+STEP_METRIC_KEYS = (
+    "loss",
+    "grad_norm",
+    "lr",
+    "valid_tokens",
+    "source_samples",
+    "physical_packs",
+    LOADER_LATENCY_MAX_KEY,
+    "loader_latency_mean",
+    "loader_copy_imbalance",
+    "load_time",
+    POLICY_TIME_KEY,
+    TOTAL_STEP_TIME_KEY,
+    VALID_TOKENS_PER_SECOND_KEY,
+    *WORKER_TIME_KEYS,
+)
+"""Every key `step_metrics` may return: what ``checkpointing.metric_name`` can rank by."""
 
 
 def sample_digest(source_ids: Sequence[str]) -> str:
@@ -62,7 +80,7 @@ def step_metrics(
         TOTAL_STEP_TIME_KEY: total_time,
         VALID_TOKENS_PER_SECOND_KEY: valid_tokens / total_time if total_time > 0 else 0.0,
     }
-    for key in ("forward_backward_s", "allreduce_s", "optimizer_s"):
+    for key in WORKER_TIME_KEYS:
         values = [float(r[key]) for r in results if key in r]
         if values:
             metrics[key] = max(values)

@@ -28,7 +28,12 @@ TokenizerConfig = TokenizerSpec
 """The ``tokenizer`` section: ``name: byte`` (default) or ``name: huggingface, path: DIR``."""
 
 PackingAlgorithm = Literal[
-    "concatenative", "first_fit_decreasing", "first_fit_shuffle", "greedy_knapsack"
+    "concatenative",
+    "first_fit_decreasing",
+    "first_fit_shuffle",
+    "modified_first_fit_decreasing",
+    "greedy_knapsack",
+    "balanced_greedy_knapsack",
 ]
 
 
@@ -42,7 +47,7 @@ class EnergonConfig(_Section):
     num_workers: int = Field(0, ge=0)
     shuffle_buffer_size: int | None = Field(..., ge=1)
     packing_buffer_size: int | None = Field(None, ge=1)
-    topology_mapper: str = "default"
+    topology_mapper: Literal["default"] = "default"  # the placement plan's mappers
 
 
 class TrainDataConfig(_Section):
@@ -76,6 +81,8 @@ class SequencePackingConfig(_Section):
     enabled: bool = False
     algorithm: PackingAlgorithm = "first_fit_decreasing"
     max_sequences_per_bin: int | None = Field(None, ge=1)
+    # Tokens over the mean a row may take under balanced_greedy_knapsack (see packing.py).
+    balanced_knapsack_delta: int = Field(0, ge=0)
 
 
 class LoaderSpec(BaseModel):
@@ -94,6 +101,7 @@ class LoaderSpec(BaseModel):
     packing_algorithm: PackingAlgorithm | None = None
     packing_buffer_size: int | None = Field(None, ge=1)
     max_sequences_per_bin: int | None = Field(None, ge=1)
+    balanced_knapsack_delta: int = Field(0, ge=0)
     only_unmask_final: bool = False
     virtual_epoch_length: int = Field(0, ge=0)
     tokenizer: TokenizerSpec = TokenizerSpec()
@@ -158,6 +166,7 @@ def build_loader_spec(
         packing_algorithm=algorithm,
         packing_buffer_size=buffer,
         max_sequences_per_bin=packing.max_sequences_per_bin,
+        balanced_knapsack_delta=packing.balanced_knapsack_delta,
         only_unmask_final=only_unmask_final,
         virtual_epoch_length=data.train.virtual_epoch_length,
         tokenizer=tokenizer or TokenizerSpec(),

@@ -145,6 +145,12 @@ class ColocatedLoader:
             "pad_multiple": spec.pad_multiple,
             "only_unmask_final": spec.only_unmask_final,
             "tokenizer": self._tokenizer.identity(),
+            # only where it shapes the rows, so fingerprints of other runs stay what they were
+            **(
+                {"balanced_knapsack_delta": spec.balanced_knapsack_delta}
+                if spec.packing_algorithm == "balanced_greedy_knapsack"
+                else {}
+            ),
         }
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -203,6 +209,7 @@ class ColocatedLoader:
             only_unmask_final=spec.only_unmask_final,
             packing_algorithm=spec.packing_algorithm,
             max_sequences_per_bin=spec.max_sequences_per_bin,
+            balanced_knapsack_delta=spec.balanced_knapsack_delta,
         )
         try:
             dataset = get_train_dataset(

@@ -98,6 +98,7 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
         only_unmask_final: bool = False,
         packing_algorithm: str | None = None,
         max_sequences_per_bin: int | None = None,
+        balanced_knapsack_delta: int = 0,
     ) -> None:
         super().__init__()
         self.tokenizer = tokenizer
@@ -106,6 +107,7 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
         self.only_unmask_final = only_unmask_final
         self.packing_algorithm = packing_algorithm
         self.max_sequences_per_bin = max_sequences_per_bin
+        self.balanced_knapsack_delta = balanced_knapsack_delta
 
     @stateless
     def encode_sample(self, sample: ChatSample) -> EncodedChat:
@@ -136,6 +138,7 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
             self.packing_algorithm,
             max_per_bin=self.max_sequences_per_bin,
             rng=rng,
+            balanced_knapsack_delta=self.balanced_knapsack_delta,
         )
         return [[samples[i] for i in b] for b in bins]
 

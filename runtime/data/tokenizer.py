@@ -13,6 +13,8 @@ learn to stop); role markers and everything said by system and user are context.
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -131,6 +133,50 @@ class HFChatTokenizer:
 
     def role_id(self, role: str) -> int:
         return int(self._roles[role])
+
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# What `save_pretrained` writes for the tokenizer families transformers knows (no weights).
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    TOKENIZER_CONFIG,
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def save_tokenizer(spec: TokenizerSpec | dict | None, directory: str | Path) -> list[str]:
+    """Put the run's tokenizer into a checkpoint, so the checkpoint alone says how its ids
+    were made (and an export can ship it): a Hugging Face tokenizer's files are copied as
+    they are; the byte tokenizer, which has no files, is described by its config and
+    identity. Returns the files written."""
+    spec = TokenizerSpec.model_validate(spec or {})
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.name == "byte":
+        info = {"name": "byte", "identity": ByteTokenizer().identity()}
+        path = out / TOKENIZER_CONFIG
+        path.write_text(json.dumps(info, indent=2, sort_keys=True))
+        return [str(path)]
+    source = Path(spec.path or "")
+    found = [source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
+    if not found:
+        raise UserInputError(
+            f"tokenizer.path {str(source)!r}: none of the tokenizer files "
+            f"({', '.join(HF_TOKENIZER_FILES)}) is there"
+        )
+    written = []
+    for file in found:
+        shutil.copyfile(file, out / file.name)
+        written.append(str(out / file.name))
+    return written
 
 
 def build_tokenizer(spec: TokenizerSpec | None = None) -> ChatTokenizer:

@@ -45,15 +45,25 @@ def _initial_save_state(placement_hash: str) -> SFTV2SaveState:
 
 
 def _restore_save_state(loaded: Any, *, placement_hash: str) -> SFTV2SaveState:
-    """A checkpoint's save state, refused when the loaders were sharded differently."""
-    state = loaded if isinstance(loaded, SFTV2SaveState) else SFTV2SaveState.from_dict(loaded)
-    if state.placement_hash != placement_hash:
+    """A checkpoint's save state (``None``: nothing saved, the initial state), refused when
+    the loaders were sharded differently.
+
+    The placement is checked first: counters from a differently sharded run mean other
+    samples, so they are never used. Counters the saved dict lacks keep their initial
+    values and keys this version does not know are ignored, so a checkpoint written by an
+    older or newer version still resumes.
+    """
+    if loaded is None:
+        return _initial_save_state(placement_hash)
+    data = loaded.to_dict() if isinstance(loaded, SFTV2SaveState) else dict(loaded)
+    saved_hash = data.get("placement_hash")
+    if saved_hash != placement_hash:
         raise ValueError(
             f"the data placement changed since the checkpoint: saved placement_hash "
-            f"{state.placement_hash} != current placement_hash {placement_hash}; resume with "
+            f"{saved_hash} != current placement_hash {placement_hash}; resume with "
             "the same cluster layout, or start a new run directory"
         )
-    return state
+    return _initial_save_state(placement_hash).overlay(data)
 
 
 def ensure_ray(cluster: ClusterConfig) -> bool:

@@ -81,14 +81,6 @@ class WorkerCalls:
         """`finish_train_step`: gradient all-reduce, clip, optimizer step."""
         return self._submit("finish_train_step", ranks=ranks, _otel_carrier=carrier)
 
-    def send_commit(self, *, carrier: dict | None = None) -> Pending:
-        """Commit the loader batch of the last finished step on every owner."""
-        return self._submit("commit_sft_batch", ranks="owners", _otel_carrier=carrier)
-
-    def send_loader_state_bytes(self, *, carrier: dict | None = None) -> Pending:
-        """Every owner's loader state, pickled in the worker."""
-        return self._submit("sft_dataloader_state_bytes", ranks="owners", _otel_carrier=carrier)
-
     def send_save(
         self,
         weights_path: str,
@@ -96,15 +88,15 @@ class WorkerCalls:
         *,
         final: bool,
         rng_path: str,
+        tokenizer_path: str | None = None,
         carrier: dict | None = None,
     ) -> Pending:
-        """Every worker writes its share of the policy files (the tokenizer is described by
-        the run's config.yaml, so no tokenizer path)."""
+        """Every worker writes its share of the policy files (rank 0 also the tokenizer)."""
         return self._submit(
             "save_checkpoint",
             weights_path,
             optimizer_path,
-            None,
+            tokenizer_path,
             final,
             rng_path=rng_path,
             _otel_carrier=carrier,

@@ -43,7 +43,9 @@ from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
 from sft_runtime.runtime.policy.worker_state import WorkerStateMixin
 from sft_runtime.states.step import StepPhase
-from sft_runtime.traces.spans import traced
+from sft_runtime.traces.spans import PHASE_ATTR, traced
+
+P = StepPhase
 
 
 class PolicyWorkerBase(WorkerStateMixin):
@@ -120,9 +122,9 @@ class PolicyWorkerBase(WorkerStateMixin):
         telemetry = getattr(self, "_telemetry", None)
         return True if telemetry is None else telemetry.force_flush()
 
-    @property
-    def _attrs(self) -> dict[str, int]:
-        return {"rank": self.rank}
+    def _attrs(self, phase: StepPhase) -> dict[str, Any]:
+        """A step span's attributes: this rank and the step phase the span belongs to."""
+        return {"rank": self.rank, PHASE_ATTR: phase.value}
 
     def node_id(self, *, _otel_carrier: dict | None = None) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -162,11 +164,13 @@ class PolicyWorkerBase(WorkerStateMixin):
         self._loader = loader
 
     def load_next_sft_batch(self, *, _otel_carrier: dict | None = None) -> StepEnvelope:
-        with traced("rl.sft_v2.load", carrier=_otel_carrier, attributes={"rank": self.rank}):
+        with traced("rl.sft_v2.load", carrier=_otel_carrier, attributes=self._attrs(P.loading)):
             return self._require_loader().load()
 
     def commit_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
-        with traced("rl.sft_v2.loader_commit", carrier=_otel_carrier, attributes=self._attrs):
+        with traced(
+            "rl.sft_v2.loader_commit", carrier=_otel_carrier, attributes=self._attrs(P.commit)
+        ):
             self._require_loader().commit()
             self._batch_step = None
 
@@ -201,19 +205,23 @@ class PolicyWorkerBase(WorkerStateMixin):
         self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
     ) -> dict[str, int]:
         """Open a step on the active batch; all-reduce the supervised-token count."""
-        with traced("rl.sft_v2.begin_step", carrier=_otel_carrier, attributes=self._attrs):
+        with traced("rl.sft_v2.begin_step", carrier=_otel_carrier, attributes=self._attrs(P.train)):
             return self.replica.begin(loss_fn, lambda: self._require_loader().active_batch)
 
     def train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """Forward/backward on this rank's active batch (gradient accumulation)."""
         fault_point("worker:train", step=self.replica.steps_done + 1, rank=self.rank)
-        with traced("rl.sft_v2.forward_backward", carrier=_otel_carrier, attributes=self._attrs):
+        with traced(
+            "rl.sft_v2.forward_backward", carrier=_otel_carrier, attributes=self._attrs(P.train)
+        ):
             return self.replica.train(self._require_loader().active_batch)
 
     def finish_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """All-reduce gradients, clip, step AdamW and the LR schedule; the step's metrics."""
         fault_point("worker:finish", step=self.replica.steps_done + 1, rank=self.rank)
-        with traced("rl.sft_v2.finish_step", carrier=_otel_carrier, attributes=self._attrs):
+        with traced(
+            "rl.sft_v2.finish_step", carrier=_otel_carrier, attributes=self._attrs(P.train)
+        ):
             return self.replica.finish()
 
     def run_train_step(
@@ -268,7 +276,7 @@ class PolicyWorkerBase(WorkerStateMixin):
 
         t0 = time.perf_counter()
         try:
-            with traced("rl.sft_v2.begin_step", carrier=carrier, attributes=self._attrs):
+            with traced("rl.sft_v2.begin_step", carrier=carrier, attributes=self._attrs(P.train)):
                 self.replica.begin(loss_fn, active_batch)
         except Exception as exc:
             phase = StepPhase.loading if before_begin else StepPhase.train

@@ -8,13 +8,13 @@ Mixed into `runtime.policy.worker.PolicyWorkerBase`, whose ``rank``, ``world_siz
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import torch
 
 from sft_runtime.runtime.checkpoint import policy_files as ckpt
+from sft_runtime.runtime.data.tokenizer import save_tokenizer
 
 
 class WorkerStateMixin:
@@ -39,8 +39,8 @@ class WorkerStateMixin:
         """Write this rank's share of a checkpoint; returns the files it wrote.
 
         Replicas are bitwise identical, so one copy of each file is written and the big ones
-        are spread over the ranks to write in parallel: rank 0 the weights and tokenizer
-        config, rank ``1 % world_size`` the optimizer; every rank its RNG file (default
+        are spread over the ranks to write in parallel: rank 0 the weights and the tokenizer
+        (`save_tokenizer`), rank ``1 % world_size`` the optimizer; every rank its RNG file (default
         ``<dirname(weights_path)>/rng``).
         """
         if self.replica.step_open:
@@ -53,11 +53,8 @@ class WorkerStateMixin:
             files.append(ckpt.save_torch(path, state))
         if self.rank == 0:
             files.append(ckpt.save_weights(weights_path, self.replica.weights()))
-            if tokenizer_path is not None and self.policy.tokenizer is not None:
-                data = json.dumps(self.policy.tokenizer, sort_keys=True).encode()
-                path = os.path.join(tokenizer_path, "tokenizer_config.json")
-                ckpt.atomic_write(path, lambda fh: fh.write(data))
-                files.append(path)
+            if tokenizer_path is not None:
+                files.extend(save_tokenizer(self.policy.tokenizer, tokenizer_path))
         rng_dir = rng_path or _default_rng_dir(weights_path)
         path = os.path.join(rng_dir, ckpt.rng_file(self.rank))
         files.append(ckpt.save_torch(path, ckpt.capture_rng(self.num_threads)))

@@ -40,6 +40,7 @@ def _bad_data_copy(src: Path, dest: Path) -> Path:
         ("sft.max_num_steps=0", "sft.max_num_steps: Input should be greater than or equal to 1"),
         ("sft.max_num_step=3", "sft.max_num_step: unknown key (did you mean 'sft.max_num_steps'?)"),
         ("policy.train_micro_batch_size=three", "policy.train_micro_batch_size"),
+        ("data.energon.topology_mapper=mimo", "data.energon.topology_mapper"),
     ],
 )
 def test_invalid_config_values_and_unknown_keys(override, named, demo_data, tmp_path):

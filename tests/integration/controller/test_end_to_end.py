@@ -17,6 +17,7 @@ from sft_runtime.events import read_log, records_in_effect
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
 from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.controller.metrics_log import read_metrics
+from sft_runtime.runtime.data.tokenizer import ByteTokenizer
 from sft_runtime.runtime.launch.driver import run_training
 from sft_runtime.states import replay
 from tests.support.small_run import small_config, small_raw
@@ -54,6 +55,8 @@ def test_train_events_metrics_and_checkpoints_agree(ray_session, demo_data, tmp_
         policy = ckpt.path(step) / "policy"
         assert (policy / "weights" / "model.safetensors").is_file()
         assert (ckpt.path(step) / "sft_v2_loaders.pt").is_file()
+        tokenizer = json.loads((policy / "tokenizer" / "tokenizer_config.json").read_text())
+        assert tokenizer == {"identity": ByteTokenizer().identity(), "name": "byte"}
     state = replay(run_dir)
     assert (state.total_steps, state.consumed_samples) == (6, summary["consumed_samples"])
     assert cli_main(["verify", str(run_dir)]) == 0

@@ -20,14 +20,25 @@ from sft_runtime.runtime.data.tokenizer import ByteTokenizer
     cap=st.one_of(st.none(), st.integers(1, 5)),
     algorithm=st.sampled_from(PACKING_ALGORITHMS),
     seed=st.integers(0, 10),
+    delta=st.integers(0, 200),
 )
-def test_plan_is_a_partition_within_capacity(lengths, capacity, cap, algorithm, seed):
-    bins = plan_bins(lengths, capacity, algorithm, max_per_bin=cap, rng=random.Random(seed))
+def test_plan_is_a_partition_within_capacity(lengths, capacity, cap, algorithm, seed, delta):
+    bins = plan_bins(
+        lengths,
+        capacity,
+        algorithm,
+        max_per_bin=cap,
+        rng=random.Random(seed),
+        balanced_knapsack_delta=delta,
+    )
     flat = sorted(i for b in bins for i in b)
     assert flat == list(range(len(lengths)))
     for b in bins:
         assert b and sum(lengths[i] for i in b) <= capacity
         assert cap is None or len(b) <= cap
+    if algorithm == "balanced_greedy_knapsack":
+        # Balancing never costs a row over plain greedy knapsack.
+        assert len(bins) <= len(plan_bins(lengths, capacity, "greedy_knapsack", max_per_bin=cap))
 
 
 def test_algorithms_differ_where_they_should():

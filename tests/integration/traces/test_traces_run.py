@@ -11,6 +11,7 @@ import orjson
 import yaml
 
 from sft_runtime.events import read_log
+from sft_runtime.states import StepPhase
 from tests.support.small_run import small_raw
 
 BIN = Path(sys.executable).parent / "sft-runtime"
@@ -46,6 +47,19 @@ def test_a_run_writes_one_jaeger_trace_per_step_across_processes(demo_data, tmp_
             assert names.count(name) == 2, (name, names)  # one per worker
         assert {"rl.sft_v2.policy_training", "rl.sft_v2.optimizer"} <= set(names)
         assert "rl.sft_v2.event_append" in names
+        phases = {
+            s["operationName"]: tag["value"]
+            for s in trace["spans"]
+            for tag in s["tags"]
+            if tag["key"] == "sft.step.phase"
+        }
+        assert {  # the step's spans name their phase with the step's one vocabulary
+            "rl.sft_v2.load": "loading",
+            "rl.sft_v2.forward_backward": "train",
+            "rl.sft_v2.finish_step": "train",
+            "rl.sft_v2.event_append": "record",
+        }.items() <= phases.items()
+        assert set(phases.values()) <= {p.value for p in StepPhase}
         for span in trace["spans"]:  # every parent is in the same trace
             for ref in span["references"]:
                 if ref["refType"] == "CHILD_OF":
@@ -63,6 +77,9 @@ def test_a_run_writes_one_jaeger_trace_per_step_across_processes(demo_data, tmp_
         s for t in data for s in t["spans"] if s["operationName"] == "rl.sft_v2.loader_commit"
     ]
     assert len(commits) == 2 * len(committed)
+    assert all(
+        {"key": "sft.step.phase", "type": "string", "value": "commit"} in s["tags"] for s in commits
+    )
     job_names = {s["operationName"] for t in data for s in t["spans"]}
     assert {"rl.sft_v2.driver", "rl.sft_v2.job", "rl.sft_v2.save"} <= job_names
 

@@ -116,3 +116,25 @@ def test_examples_demo_yaml_matches_the_demo_config():
     built = demo_config(Path("runs/demo-yaml"), Path("data/demo"), steps=150)
     assert example.model_dump() == built.model_dump()
     load_config(ROOT / "examples" / "multinode.yaml")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("data.energon.topology_mapper", "mimo", "data.energon.topology_mapper"),
+        ("policy.train_global_batch_size", 6, "data-parallel size"),  # 2 workers x micro 2
+        ("cluster.workers_per_node", 3, "cluster.workers_per_node = 3"),
+    ],
+)
+def test_values_checked_only_on_the_cluster_before_are_refused_by_the_config(key, value, named):
+    with pytest.raises(UserInputError, match=named):
+        validate_config(_raw(**{key: value}))
+
+
+def test_the_config_mappers_are_the_placement_plans():
+    from typing import get_args
+
+    from sft_runtime.runtime.data.config import EnergonConfig
+    from sft_runtime.runtime.data.placement import MAPPERS
+
+    assert get_args(EnergonConfig.model_fields["topology_mapper"].annotation) == MAPPERS

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sft_runtime.events import read_log
+from sft_runtime.runtime.checkpoint.store import CheckpointDir
 from sft_runtime.runtime.controller.loop import SFTController
 from sft_runtime.runtime.data.batch import StepEnvelope
 from sft_runtime.runtime.data.placement import build_placement_plan
@@ -141,14 +142,17 @@ def test_a_loader_commit_failure_fails_the_next_step_before_it_counts(tmp_path):
     assert records[-1].type == "run_stopped" and records[-1].data["reason"] == "failed"
 
 
-def test_unknown_checkpoint_metric_fails_at_step_one_listing_the_known(tmp_path):
-    controller, run_dir = _controller(
-        tmp_path, StubGroup(), "checkpointing.metric_name=train:accuracy"
-    )
-    with pytest.raises(Exception, match="available: .*train:loss"):
-        controller.run()
-    aborted = [r for r in read_log(run_dir) if r.type == "step_aborted"]
-    assert aborted[0].data["step"] == 1 and aborted[0].data["phase"] == "metrics"
+def test_an_unknown_checkpoint_metric_is_refused_by_the_config_listing_the_known(tmp_path):
+    with pytest.raises(ValueError, match=r"checkpointing\.metric_name.*available: .*train:loss"):
+        _controller(tmp_path, StubGroup(), "checkpointing.metric_name=train:accuracy")
+
+
+def test_checkpoints_record_the_metric_the_way_the_reference_keys_it(tmp_path):
+    controller, run_dir = _controller(tmp_path, StubGroup(), "checkpointing.metric_name=train:loss")
+    assert controller._checkpoint_metric({"loss": 2.0, "lr": 0.1}) == {"train:loss": 2.0}
+    controller.run()
+    info = controller.ckpt.info(controller.ckpt.steps()[-1])
+    assert info["train:loss"] == info["metric"] == 2.0
 
 
 def test_a_run_whose_budget_is_reached_trains_nothing(tmp_path):
@@ -187,3 +191,57 @@ def test_a_stop_undoes_the_start_sent_ahead_before_the_final_checkpoint(tmp_path
     records = list(read_log(run_dir))
     assert [r.data["step"] for r in records if r.type == "step_committed"] == [1]
     assert [r.data["step"] for r in records if r.type == "checkpoint_saved"] == [1]
+
+
+def test_the_loop_runs_the_seed_methods_with_their_seed_signatures(tmp_path):
+    """An embedding user who reads or overrides a seed method reads the path that runs."""
+    seen: list[tuple[str, dict]] = []
+
+    class Watched(SFTController):
+        pass
+
+    for name in (
+        "_setup_loaders",
+        "_load_envelopes",
+        "_run_train_step",
+        "_policy_metrics",
+        "_owner_call",
+        "_loader_state_dicts",
+        "_should_save",
+        "_checkpoint_metric",
+        "_save_checkpoint",
+        "_close_loaders",
+    ):
+
+        def watched(self, *args, _name=name, **kwargs):
+            seen.append((_name, kwargs))
+            return getattr(SFTController, _name)(self, *args, **kwargs)
+
+        setattr(Watched, name, watched)
+
+    config = small_config(
+        tmp_path / "run", tmp_path / "data", 4, "checkpointing.metric_name=train:loss"
+    )
+    plan = build_placement_plan(
+        {"data_parallel": 2, "tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1}
+    )
+    state = SFTV2SaveState(0, 0, 0, plan.placement_hash)
+    args = SFTV2ActorArgs(StubGroup(), None, {}, plan, state, None)
+    Watched(config, args).run()
+    names = {name for name, _ in seen}
+    assert names == {
+        "_setup_loaders",
+        "_load_envelopes",
+        "_run_train_step",
+        "_policy_metrics",
+        "_owner_call",
+        "_loader_state_dicts",
+        "_should_save",
+        "_checkpoint_metric",
+        "_save_checkpoint",
+        "_close_loaders",
+    }
+    should_save = [kw for name, kw in seen if name == "_should_save"]
+    assert len(should_save) == 4 and all(set(kw) == {"save_by_timeout"} for kw in should_save)
+    saved = CheckpointDir(tmp_path / "run" / "checkpoints").steps()
+    assert [n for n, _ in seen].count("_save_checkpoint") == len(saved) > 0

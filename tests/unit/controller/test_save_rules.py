@@ -14,8 +14,8 @@ from sft_runtime.states import ControllerModel, ControllerState, SFTV2SaveState,
 from tests.support.logbuild import step_event
 
 
-def _kinds(rules: StepRules, step: int, now: float = 0.0) -> tuple[str, ...]:
-    return rules.save_kinds(SFTV2SaveState(total_steps=step), now=now)
+def _kinds(rules: StepRules, step: int, timed_out: bool = False) -> tuple[str, ...]:
+    return rules.save_kinds(SFTV2SaveState(total_steps=step), timed_out=timed_out)
 
 
 def test_save_rules_periodic_ft_and_final():
@@ -25,13 +25,17 @@ def test_save_rules_periodic_ft_and_final():
     assert _kinds(rules, 10) == ("periodic",)
     assert _kinds(rules, 20) == ("periodic", "ft")
     assert _kinds(rules, 25) == ("final",)
-    due = [s for s in range(1, 26) if rules.save_due(SFTV2SaveState(total_steps=s), now=0)]
+    due = [s for s in range(1, 26) if rules.save_due(SFTV2SaveState(total_steps=s))]
     assert due == [4, 8, 10, 12, 16, 20, 24, 25]
+    assert _kinds(rules, 3, timed_out=True) == ("final",)
 
 
 def test_disabled_checkpointing_never_saves():
     rules = StepRules(max_steps=25, save_period=10, ft_save_period=4, checkpointing=False)
-    assert not any(rules.save_due(SFTV2SaveState(total_steps=s), now=1e12) for s in range(26))
+    assert not any(
+        rules.save_due(SFTV2SaveState(total_steps=s), stopping=True, timed_out=True)
+        for s in range(26)
+    )
 
 
 def test_timeout_stops_after_exactly_one_save():
@@ -63,13 +67,14 @@ def test_timeout_stops_after_exactly_one_save():
                     total_valid_tokens=s.total_valid_tokens,
                 )
             )
-    assert (step, saves, model.state) == (5, 1, ControllerState.closing)
+    # steps of 1 s: after step 4 (t=4) another step would end at the deadline (t=5)
+    assert (step, saves, model.state) == (4, 1, ControllerState.closing)
 
 
 def test_metric_tagging_and_unknown_metric_lists_the_known():
     metrics = {"loss": 1.5, "grad_norm": 0.2}
-    assert state_metric("train:loss", metrics) == 1.5
-    assert state_metric(None, metrics) is None
+    assert state_metric("train:loss", metrics) == {"train:loss": 1.5}
+    assert state_metric(None, metrics) == {}
     with pytest.raises(UserInputError, match="available: train:grad_norm, train:loss"):
         state_metric("train:accuracy", metrics)
 
@@ -94,7 +99,7 @@ def test_commit_renames_a_complete_directory_and_stale_tmp_is_removed(tmp_path):
 
 
 def test_retention_keeps_top_k_by_metric_latest_ft_and_the_newest(tmp_path):
-    ck = CheckpointDir(tmp_path, keep_top_k=2, ft_keep_latest_k=1)
+    ck = CheckpointDir(tmp_path, save_period=10, keep_top_k=2, ft_keep_latest_k=1)
     _save(ck, 10, ["periodic"], metric=3.0)
     _save(ck, 20, ["periodic"], metric=1.0)
     _save(ck, 30, ["periodic"], metric=2.0)
@@ -103,13 +108,13 @@ def test_retention_keeps_top_k_by_metric_latest_ft_and_the_newest(tmp_path):
     _save(ck, 40, ["periodic"], metric=5.0)
     _save(ck, 44, ["ft"])
     removed = ck.prune()
-    # best two periodic by lower loss: 20 (1.0), 30 (2.0); latest ft: 44 (also the newest)
+    # periodic = divisible by 10; best two by lower loss: 20 (1.0), 30 (2.0); latest of all: 44
     assert ck.steps() == [20, 30, 44]
     assert sorted(removed) == [10, 34, 38, 40]
 
 
 def test_retention_higher_is_better_and_without_limits(tmp_path):
-    ck = CheckpointDir(tmp_path, keep_top_k=1, higher_is_better=True)
+    ck = CheckpointDir(tmp_path, save_period=1, keep_top_k=1, higher_is_better=True)
     for step, metric in ((1, 0.1), (2, 0.9), (3, 0.5)):
         _save(ck, step, ["periodic"], metric=metric)
     ck.prune()

@@ -74,3 +74,36 @@ def test_restore_refuses_a_changed_placement_naming_both_hashes():
     }
     with pytest.raises(ValueError, match="old1.*new2"):
         sft_v2._restore_save_state(saved, placement_hash="new2")
+
+
+def test_restoring_nothing_gives_the_initial_state():
+    assert sft_v2._restore_save_state(None, placement_hash="h") == SFTV2SaveState(0, 0, 0, "h")
+
+
+def test_missing_counters_start_from_their_initial_values_and_unknown_keys_are_ignored():
+    saved = {"total_steps": 7, "placement_hash": "h", "from_a_newer_version": [1, 2]}
+    assert sft_v2._restore_save_state(saved, placement_hash="h") == SFTV2SaveState(7, 0, 0, "h")
+    state = SFTV2SaveState(3, 24, 500, "h")
+    assert sft_v2._restore_save_state(state, placement_hash="h") == state
+
+
+def test_the_placement_is_checked_before_the_counters_are_read():
+    # counters that do not even parse: the placement error comes first and names both hashes
+    saved = {"total_steps": "not a number", "placement_hash": "old1"}
+    with pytest.raises(ValueError, match="placement_hash old1 != current placement_hash new2"):
+        sft_v2._restore_save_state(saved, placement_hash="new2")
+    with pytest.raises(ValueError, match="saved placement_hash None != current"):
+        sft_v2._restore_save_state({"total_steps": 1}, placement_hash="new2")
+
+
+def test_bad_input_is_a_value_error_that_embedding_code_can_catch(tmp_path):
+    from sft_runtime.runtime.config import load_config
+    from sft_runtime.runtime.errors import UserInputError
+
+    assert issubclass(UserInputError, ValueError)
+    try:
+        load_config(tmp_path / "missing.yaml")
+    except ValueError as exc:  # what code written against the reference catches
+        assert "no such config file" in str(exc)
+    else:
+        raise AssertionError("a missing config file was accepted")

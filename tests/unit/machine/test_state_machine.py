@@ -177,17 +177,21 @@ def test_guards_are_pure_functions_of_state_config_and_clock():
 
     rules = StepRules(max_steps=10, save_period=4, deadline=100.0)
     at = SFTV2SaveState
-    assert [rules.save_due(at(total_steps=s), now=0) for s in (0, 3, 4, 8, 10)] == [
+    assert [rules.save_due(at(total_steps=s)) for s in (0, 3, 4, 8, 10)] == [
         False,
         False,
         True,
         True,
         True,
     ]
-    assert rules.save_due(at(total_steps=3), now=100.0) and not rules.save_due(at(), now=1e9)
-    assert rules.should_stop(at(total_steps=1), now=0, stopping=True)
-    assert not StepRules(max_steps=10, checkpointing=False).save_due(at(total_steps=10), now=0)
+    assert rules.save_due(at(total_steps=3), timed_out=True)
+    assert not rules.save_due(at(), timed_out=True)  # nothing to save before step 1
+    assert rules.should_stop(at(total_steps=1), stopping=True)
+    assert not StepRules(max_steps=10, checkpointing=False).save_due(at(total_steps=10))
     assert StepRules(max_steps=1).deadline == math.inf
+    # the deadline fires once a step of the mean length would end past it
+    assert not rules.timed_out(98.0, mean_step_s=1.5) and rules.timed_out(98.5, mean_step_s=1.5)
+    assert rules.timed_out(100.0) and not rules.timed_out(99.9)
 
 
 def test_mermaid_diagram_shows_every_row_of_the_table():
@@ -224,12 +228,13 @@ def test_a_stop_right_after_a_checkpoint_closes_without_saving_again():
 def test_continues_after_says_when_the_next_start_may_be_sent_ahead():
     rules = StepRules(max_steps=10, save_period=4, ft_save_period=3, deadline=1000.0)
 
-    def follows(step: int, now: float = 0.0, stopping: bool = False) -> bool:
-        return rules.continues_after(SFTV2SaveState(step, 0, 0, "h"), now, stopping=stopping)
+    def follows(step: int, timed_out: bool = False, stopping: bool = False) -> bool:
+        state = SFTV2SaveState(step, 0, 0, "h")
+        return rules.continues_after(state, stopping=stopping, timed_out=timed_out)
 
     assert [s for s in range(1, 11) if follows(s)] == [1, 2, 5, 7]  # not 3,6,9 / 4,8 / 10
-    assert not follows(1, now=1000.0)  # the deadline passed
+    assert not follows(1, timed_out=True)  # the deadline fires at the step's end
     assert not follows(1, stopping=True)
     assert StepRules(max_steps=5, checkpointing=False).continues_after(
-        SFTV2SaveState(3, 0, 0, "h"), 0.0, stopping=False
+        SFTV2SaveState(3, 0, 0, "h"), stopping=False
     )
