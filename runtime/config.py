@@ -165,6 +165,15 @@ class MasterConfig(BaseModel):
                 f"({policy.train_micro_batch_size})"
             )
         model = policy.model
+        if model.kind == "hf":
+            if "tokenizer" not in policy.model_fields_set:  # the model's own, by default
+                policy.tokenizer = TokenizerSpec(name="huggingface", path=model.hf_path)
+            elif policy.tokenizer.name != "huggingface":
+                raise ValueError(
+                    f"policy.tokenizer.name is {policy.tokenizer.name!r} but policy.model.kind "
+                    "'hf' trains on the model's own token ids: use name 'huggingface' (or leave "
+                    "policy.tokenizer out to take the tokenizer in policy.model.hf_path)"
+                )
         if model.kind == "transformer" and model.max_seq_len < data.max_input_seq_length:
             raise ValueError(
                 f"policy.model.max_seq_len ({model.max_seq_len}) must be at least "

@@ -2,7 +2,10 @@
 
 Layout under the paths the controller passes (``<step_dir>/policy/...``):
 
-- ``weights/model.safetensors`` - written by rank 0 only (replicas are bitwise identical).
+- ``weights/`` - ``model.safetensors`` (or shards and their index, past a size limit) under
+  the model's own parameter names, written by rank 0 only (replicas are bitwise identical);
+  with a Hugging Face model also ``config.json`` and ``generation_config.json``, so the
+  folder is a model folder `from_pretrained` loads.
 - ``optimizer/optimizer.pt`` - AdamW state + schedule step, by rank ``1 % world_size`` (so
   it is written beside rank 0's weights); loads with ``torch.load(weights_only=True)``.
 - ``rng/rank_<r>.pt`` - python, numpy and torch RNG states and the torch thread count of
@@ -16,6 +19,7 @@ fsynced, so a crash never leaves a half-written file under the final name.
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 from collections.abc import Callable
@@ -28,6 +32,8 @@ from safetensors.torch import load_file, save_file
 from sft_runtime.runtime.errors import UserInputError
 
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 5 * 2**30  # as large as hub models' shards usually are
 OPTIMIZER_FILE = "optimizer.pt"
 
 
@@ -69,16 +75,79 @@ def atomic_produce(path: str, produce: Callable[[str], None]) -> None:
         os.close(dir_fd)
 
 
-def save_weights(directory: str, tensors: dict[str, torch.Tensor]) -> str:
-    """safetensors' own file writer: no second copy of the weights in memory (``save()``
-    builds the whole file as bytes first) and 2.5x faster on a 2 MB model here."""
-    path = os.path.join(directory, WEIGHTS_FILE)
-    atomic_produce(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    return path
+def weight_shards(
+    tensors: dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES
+) -> list[dict[str, torch.Tensor]]:
+    """Tensors in their order, cut into groups of at most ``max_shard_bytes`` (a tensor
+    larger than that is a shard of its own)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def save_weights(
+    directory: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES
+) -> list[str]:
+    """Write the weights as Hugging Face lays them out: ``model.safetensors``, or past
+    ``max_shard_bytes`` ``model-0000k-of-0000n.safetensors`` plus the index that maps every
+    name to its file. safetensors' own file writer keeps no second copy in memory."""
+    shards = weight_shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        names = [WEIGHTS_FILE]
+    else:
+        names = [
+            f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)
+        ]
+    written = []
+    for name, shard in zip(names, shards, strict=True):
+        path = os.path.join(directory, name)
+        atomic_produce(
+            path, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"})
+        )
+        written.append(path)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {
+                k: name for name, shard in zip(names, shards, strict=True) for k in shard
+            },
+        }
+        path = os.path.join(directory, WEIGHTS_INDEX)
+        data = json.dumps(index, indent=2, sort_keys=True).encode()
+        atomic_write(path, lambda fh: fh.write(data))
+        written.append(path)
+    return written
 
 
 def load_weights(directory: str) -> dict[str, torch.Tensor]:
-    path = os.path.join(directory, WEIGHTS_FILE)
+    """The weights `save_weights` wrote (one file, or the shards its index names)."""
+    index = os.path.join(directory, WEIGHTS_INDEX)
+    if os.path.exists(index):
+        try:
+            files = sorted(set(json.loads(_read(index))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UserInputError(f"{index}: unreadable weight index ({exc})") from None
+    else:
+        files = [WEIGHTS_FILE]
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(_load_file(os.path.join(directory, name)))
+    return tensors
+
+
+def _read(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
+def _load_file(path: str) -> dict[str, torch.Tensor]:
     if not os.path.exists(path):
         raise UserInputError(f"checkpoint weights not found: {path}")
     try:

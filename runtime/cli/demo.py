@@ -64,8 +64,7 @@ def greedy_completions(
     model.eval()
     outputs = []
     for prompt in DEMO_PROMPTS:
-        ids = [tok.bos_id, tok.role_id("user"), *tok.encode_text(prompt), tok.eos_id]
-        ids.append(tok.role_id("assistant"))
+        ids = tok.encode_prompt([{"role": "user", "content": prompt}])
         start = len(ids)
         with torch.no_grad():
             for _ in range(max_new):

@@ -5,9 +5,13 @@ marker per role. It needs no files and no downloads, so tests, the demo and CI a
 offline, and its `identity()` is a constant that goes into loader fingerprints (a resume with
 a different tokenizer would silently change every batch).
 
-Chat template, for every tokenizer: ``BOS`` then per message ``<role> content EOS``. The
-supervised part of an assistant message is its content and its closing EOS (the model must
-learn to stop); role markers and everything said by system and user are context.
+Its chat template: ``BOS`` then per message ``<role> content EOS``. The supervised part of an
+assistant message is its content and its closing EOS (the model must learn to stop); role
+markers and everything said by system and user are context.
+
+A Hugging Face tokenizer renders conversations with its own chat template (or the one
+``policy.tokenizer.chat_template`` supplies) and is supervised on the assistant turns as that
+template renders them: see chat_template.py.
 """
 
 from __future__ import annotations
@@ -16,20 +20,26 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from sft_runtime.runtime.data import chat_template as hf_chat
 from sft_runtime.runtime.errors import UserInputError
 
 
 class TokenizerSpec(BaseModel):
-    """Which tokenizer to build: ``name="byte"`` or a local Hugging Face ``path``."""
+    """Which tokenizer to build: ``name="byte"`` or a local Hugging Face ``path``.
+
+    ``chat_template`` (Jinja source) replaces or supplies the Hugging Face tokenizer's chat
+    template, for tokenizers that ship none or whose template does not match the model.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: Literal["byte", "huggingface"] = "byte"
     path: str | None = None
+    chat_template: str | None = None
 
     @model_validator(mode="after")
     def _path_matches_name(self) -> TokenizerSpec:
@@ -37,22 +47,30 @@ class TokenizerSpec(BaseModel):
             raise ValueError("tokenizer.path is required when tokenizer.name is 'huggingface'")
         if self.name == "byte" and self.path:
             raise ValueError("tokenizer.path is only valid with tokenizer.name 'huggingface'")
+        if self.name == "byte" and self.chat_template is not None:
+            raise ValueError(
+                "tokenizer.chat_template is only valid with tokenizer.name 'huggingface' "
+                "(the byte tokenizer has a fixed template)"
+            )
         return self
 
 
 class ChatTokenizer(Protocol):
-    """What the task encoder needs from a tokenizer."""
+    """What the task encoder (and a generation prompt) needs from a tokenizer."""
 
     vocab_size: int
     pad_id: int
-    bos_id: int
     eos_id: int
 
     def identity(self) -> str: ...
 
-    def encode_text(self, text: str) -> list[int]: ...
+    def encode_chat(
+        self, messages: list[dict[str, str]], *, only_unmask_final: bool = False
+    ) -> tuple[list[int], list[bool]]: ...
 
-    def role_id(self, role: str) -> int: ...
+    def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -77,6 +95,31 @@ class ByteTokenizer:
     def role_id(self, role: str) -> int:
         return self._role_ids[role]
 
+    def encode_chat(
+        self, messages: list[dict[str, str]], *, only_unmask_final: bool = False
+    ) -> tuple[list[int], list[bool]]:
+        """Token ids of a conversation and, per token, whether it belongs to a supervised
+        reply (only the last one with `only_unmask_final`)."""
+        last_assistant = max(
+            (i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1
+        )
+        ids = [self.bos_id]
+        supervised = [False]
+        for index, message in enumerate(messages):
+            role = message["role"]
+            body = self.encode_text(message["content"]) + [self.eos_id]
+            train = role == "assistant" and (not only_unmask_final or index == last_assistant)
+            ids.append(self.role_id(role))
+            supervised.append(False)
+            ids.extend(body)
+            supervised.extend([train] * len(body))
+        return ids, supervised
+
+    def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """`messages` as context, then the assistant marker the reply follows."""
+        ids, _ = self.encode_chat(messages)
+        return ids + [self.role_id("assistant")]
+
     def decode(self, ids: list[int]) -> str:
         """Bytes back to text; special tokens are shown as ``<name>`` (for debugging)."""
         names = {self.pad_id: "<pad>", self.bos_id: "<bos>", self.eos_id: "<eos>"}
@@ -95,13 +138,14 @@ class ByteTokenizer:
 
 
 class HFChatTokenizer:
-    """A Hugging Face tokenizer loaded from a local directory (never downloads).
+    """A Hugging Face tokenizer loaded from a local directory (never downloads), rendering
+    conversations with its chat template or `chat_template`, which overrides it.
 
-    Role markers are the tokenizer's encodings of ``<|role|>`` collapsed to their first id,
-    BOS/EOS/PAD fall back to EOS when missing.
+    The template is checked once here, so a tokenizer that has none, or one that cannot
+    render a user/assistant chat, fails at start-up naming ``policy.tokenizer.chat_template``.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, chat_template: str | None = None) -> None:
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
@@ -111,19 +155,31 @@ class HFChatTokenizer:
         if not Path(path).is_dir():
             raise UserInputError(f"tokenizer.path {path!r}: not a local directory")
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if not self._tok.is_fast:
+            raise UserInputError(
+                f"tokenizer.path {path!r}: a fast (tokenizer.json) tokenizer is needed, "
+                "its offsets map the chat template's assistant turns onto tokens"
+            )
         eos = self._tok.eos_token_id
         if eos is None:
             raise UserInputError(f"tokenizer.path {path!r}: tokenizer has no EOS token")
         self.eos_id = int(eos)
-        self.bos_id = int(self._tok.bos_token_id if self._tok.bos_token_id is not None else eos)
+        bos = self._tok.bos_token_id
+        self.bos_id: int | None = None if bos is None else int(bos)
         self.pad_id = int(self._tok.pad_token_id if self._tok.pad_token_id is not None else eos)
         self.vocab_size = len(self._tok)
-        self._roles = {
-            r: self._tok.encode(f"<|{r}|>", add_special_tokens=False)[0]
-            for r in ByteTokenizer.ROLES
-        }
+        self.chat_template = hf_chat.resolve_template(self._tok, chat_template, path=path)
+        hf_chat.check_template(self._tok, self.chat_template, path=path)
         digest = hashlib.sha256(str(sorted(self._tok.get_vocab().items())).encode()).hexdigest()
-        self._identity = f"hf:{Path(path).name}:vocab={self.vocab_size}:{digest[:16]}"
+        self._identity = (
+            f"hf:{Path(path).name}:vocab={self.vocab_size}:{digest[:16]}"
+            f":template={hf_chat.template_digest(self.chat_template)}"
+        )
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The underlying transformers tokenizer (for generation and export code)."""
+        return self._tok
 
     def identity(self) -> str:
         return self._identity
@@ -131,8 +187,20 @@ class HFChatTokenizer:
     def encode_text(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
-    def role_id(self, role: str) -> int:
-        return int(self._roles[role])
+    def encode_chat(
+        self, messages: list[dict[str, str]], *, only_unmask_final: bool = False
+    ) -> tuple[list[int], list[bool]]:
+        """Ids exactly as ``apply_chat_template(messages, tokenize=True)`` gives them, and
+        which of them are the assistant turns' (see chat_template.py)."""
+        return hf_chat.tokenize_chat(
+            self._tok, messages, self.chat_template, only_unmask_final=only_unmask_final
+        )
+
+    def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return hf_chat.encode_prompt(self._tok, messages, self.chat_template)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
 
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -150,13 +218,18 @@ HF_TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# Template files win over tokenizer_config.json's key when transformers loads a folder.
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 def save_tokenizer(spec: TokenizerSpec | dict | None, directory: str | Path) -> list[str]:
     """Put the run's tokenizer into a checkpoint, so the checkpoint alone says how its ids
     were made (and an export can ship it): a Hugging Face tokenizer's files are copied as
-    they are; the byte tokenizer, which has no files, is described by its config and
-    identity. Returns the files written."""
+    they are, except that a ``chat_template`` from the spec replaces the folder's template
+    (written into tokenizer_config.json, template files left out, so
+    ``AutoTokenizer.from_pretrained`` on the copy renders what training rendered); the byte
+    tokenizer, which has no files, is described by its config and identity. Returns the
+    files written."""
     spec = TokenizerSpec.model_validate(spec or {})
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -172,10 +245,22 @@ def save_tokenizer(spec: TokenizerSpec | dict | None, directory: str | Path) -> 
             f"tokenizer.path {str(source)!r}: none of the tokenizer files "
             f"({', '.join(HF_TOKENIZER_FILES)}) is there"
         )
+    if spec.chat_template is not None:
+        found = [f for f in found if f.name not in TEMPLATE_FILES]
     written = []
     for file in found:
         shutil.copyfile(file, out / file.name)
         written.append(str(out / file.name))
+    if spec.chat_template is not None:
+        config_path = out / TOKENIZER_CONFIG
+        text = config_path.read_text(encoding="utf-8") if config_path.is_file() else "{}"
+        config = json.loads(text)
+        config["chat_template"] = spec.chat_template
+        config_path.write_text(
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
+        if str(config_path) not in written:
+            written.append(str(config_path))
     return written
 
 
@@ -185,25 +270,16 @@ def build_tokenizer(spec: TokenizerSpec | None = None) -> ChatTokenizer:
     if spec.name == "byte":
         return ByteTokenizer()
     assert spec.path is not None
-    return HFChatTokenizer(spec.path)
+    return HFChatTokenizer(spec.path, chat_template=spec.chat_template)
 
 
 def apply_chat_template(
     tokenizer: ChatTokenizer, messages: list[dict[str, str]], *, only_unmask_final: bool = False
 ) -> tuple[list[int], list[bool]]:
-    """Token ids of a conversation and, per token, whether it belongs to a supervised reply.
+    """Token ids of a conversation and, per token, whether it belongs to a supervised reply,
+    in the tokenizer's own template (the byte layout, or a Hugging Face chat template).
 
-    With `only_unmask_final` only the last assistant message is supervised.
+    With `only_unmask_final` only the last assistant message is supervised; with no
+    assistant message nothing is.
     """
-    last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    ids = [tokenizer.bos_id]
-    supervised = [False]
-    for index, message in enumerate(messages):
-        role = message["role"]
-        body = tokenizer.encode_text(message["content"]) + [tokenizer.eos_id]
-        train = role == "assistant" and (not only_unmask_final or index == last_assistant)
-        ids.append(tokenizer.role_id(role))
-        supervised.append(False)
-        ids.extend(body)
-        supervised.extend([train] * len(body))
-    return ids, supervised
+    return tokenizer.encode_chat(messages, only_unmask_final=only_unmask_final)

@@ -161,15 +161,12 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
     config = master_config
     run_dir = Path(config.logger.log_dir)
     _check_data_path(config)
+    if config.policy.model.kind == "hf":  # the model folder first: the tokenizer may be in it
+        from sft_runtime.runtime.policy.hf_model import hf_config
+
+        hf_config(str(config.policy.model.hf_path))
     tokenizer = tokenizer_or_processor or build_tokenizer(config.policy.tokenizer)
-    if (
-        config.policy.model.kind == "transformer"
-        and tokenizer.vocab_size > config.policy.model.vocab_size
-    ):
-        raise UserInputError(
-            f"policy.model.vocab_size ({config.policy.model.vocab_size}) is smaller than the "
-            f"tokenizer's vocabulary ({tokenizer.vocab_size})"
-        )
+    check_model_covers(config, tokenizer.vocab_size)
     probe_run_lock(run_dir)
     resume = find_resume_point(run_dir, CheckpointDir(checkpoint_root(config)))
     ensure_ray(config.cluster)
@@ -225,6 +222,31 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
     except BaseException:
         group.shutdown()
         raise
+
+
+def check_model_covers(config: MasterConfig, tokenizer_vocab: int) -> None:
+    """The model has an embedding for every token id and a position for every token of a row
+    (an id past the vocabulary is an index error deep in a worker; for an HF model these
+    sizes come from its own config.json, read here without loading a weight)."""
+    model, length = config.policy.model, config.data.max_input_seq_length
+    if model.kind == "hf":
+        from sft_runtime.runtime.policy.hf_model import hf_config
+
+        hf = hf_config(str(model.hf_path))
+        vocab, vocab_key = int(hf.vocab_size), f"{model.hf_path}/config.json vocab_size"
+        positions = getattr(hf, "max_position_embeddings", None)
+        positions_key = f"{model.hf_path}/config.json max_position_embeddings"
+    else:
+        vocab, vocab_key = model.vocab_size, "policy.model.vocab_size"
+        positions, positions_key = model.max_seq_len, "policy.model.max_seq_len"
+    if tokenizer_vocab > vocab:
+        raise UserInputError(
+            f"{vocab_key} ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab})"
+        )
+    if positions is not None and length > int(positions):
+        raise UserInputError(
+            f"data.max_input_seq_length ({length}) exceeds {positions_key} ({positions})"
+        )
 
 
 def _check_data_path(config: MasterConfig) -> None:

@@ -21,7 +21,8 @@ _Strict = ConfigDict(extra="forbid")
 
 
 class ModelConfig(BaseModel):
-    """A small decoder-only transformer, or (``kind="hf"``) a local HF causal LM."""
+    """A small decoder-only transformer, or (``kind="hf"``) a pretrained HF causal LM (its
+    sizes come from its own config.json; ``vocab_size`` and the like are ours only)."""
 
     model_config = _Strict
 
@@ -32,7 +33,9 @@ class ModelConfig(BaseModel):
     n_heads: int = Field(4, ge=1)
     max_seq_len: int = Field(128, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    hf_path: str | None = None
+    hf_path: str | None = None  # kind "hf": a local model folder or a hub id
+    # kind "hf": how attention runs; both keep packed samples apart exactly (see hf_model.py)
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

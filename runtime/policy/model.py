@@ -1,4 +1,5 @@
-"""The policy model: a small decoder-only transformer that understands packed rows.
+"""The policy model: a small decoder-only transformer that understands packed rows (or, with
+``kind: hf``, a pretrained Hugging Face model: `runtime.policy.hf_model`).
 
 A row may hold several packed samples (``segment_ids`` 0, 1, ...) and padding (-1). Each
 token attends causally to earlier tokens of its own segment only, so a packed sample gives
@@ -97,40 +98,23 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln_f(x))
 
 
-class _HFCausalLM(nn.Module):
-    """A local Hugging Face causal LM behind the same forward signature (untested here)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        from transformers import AutoModelForCausalLM
-
-        self.inner = AutoModelForCausalLM.from_pretrained(cfg.hf_path, local_files_only=True)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        segment_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        mask = attention_mask(segment_ids)
-        additive = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        additive = additive.masked_fill(~mask, torch.finfo(torch.float32).min)
-        out = self.inner(
-            input_ids=input_ids,
-            position_ids=position_ids.clamp(min=0),
-            attention_mask=additive,
-        )
-        return out.logits
-
-
 def build_model(cfg: ModelConfig) -> nn.Module:
-    """The model named by ``policy.model``; HF only when `transformers` is importable."""
+    """The model ``policy.model`` names: our transformer, or a pretrained HF causal LM."""
     if cfg.kind == "hf":
-        try:
-            import transformers  # noqa: F401
-        except ImportError as exc:
-            raise RuntimeError(
-                "policy.model.kind='hf' needs the `transformers` package, which is not installed"
-            ) from exc
-        return _HFCausalLM(cfg)
+        from sft_runtime.runtime.policy.hf_model import load_hf_model
+
+        assert cfg.hf_path is not None  # the config requires it
+        return load_hf_model(cfg.hf_path, attn_implementation=cfg.attn_implementation)
     return TinyTransformer(cfg)
+
+
+def forward_logits(
+    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor
+) -> torch.Tensor:
+    """Logits of packed rows for either kind of model (an HF model takes keyword inputs and
+    the mask as a tensor; ours builds its mask from the segment ids)."""
+    if isinstance(model, TinyTransformer):
+        return model(input_ids, position_ids, segment_ids)
+    from sft_runtime.runtime.policy.hf_model import hf_logits
+
+    return hf_logits(model, input_ids, position_ids, segment_ids)

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from sft_runtime.runtime.data.batch import SFTBatch
 from sft_runtime.runtime.errors import PeerStepError
 from sft_runtime.runtime.policy.config import PolicyConfig
+from sft_runtime.runtime.policy.hf_model import hf_state_dict, load_hf_state_dict
 from sft_runtime.runtime.policy.loss import NLLLossFn
-from sft_runtime.runtime.policy.model import build_model
+from sft_runtime.runtime.policy.model import build_model, forward_logits
 from sft_runtime.runtime.policy.schedule import lr_at
 from sft_runtime.traces.context import TRACER
 
@@ -114,7 +115,7 @@ class Replica:
             mb = batch.rows(start, min(start + size, batch.num_rows))
             t0 = time.perf_counter()
             with self._autocast():
-                logits = self.model(mb.input_ids, mb.position_ids, mb.segment_ids)
+                logits = forward_logits(self.model, mb.input_ids, mb.position_ids, mb.segment_ids)
             loss, metrics = step.loss_fn(logits, mb, step.global_valid_tokens)
             loss.backward()
             metrics["rows"] = float(mb.num_rows)
@@ -199,12 +200,20 @@ class Replica:
 
     # ----------------------------------------------------------------- state
     def weights(self) -> dict[str, torch.Tensor]:
-        """A copy of parameters and buffers as contiguous CPU tensors (safetensors-ready)."""
-        state = self.model.state_dict()
+        """A copy of parameters and buffers as contiguous CPU tensors (safetensors-ready),
+        under the model's own names; a tied weight once."""
+        state = hf_state_dict(self.model) if self.is_hf else self.model.state_dict()
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(tensors, strict=True)
+        if self.is_hf:
+            load_hf_state_dict(self.model, tensors)
+        else:
+            self.model.load_state_dict(tensors, strict=True)
+
+    @property
+    def is_hf(self) -> bool:
+        return self.policy.model.kind == "hf"
 
     def optimizer_state(self) -> dict[str, Any]:
         """AdamW state plus the schedule's step count; loadable with ``weights_only=True``."""

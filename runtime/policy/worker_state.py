@@ -15,6 +15,7 @@ import torch
 
 from sft_runtime.runtime.checkpoint import policy_files as ckpt
 from sft_runtime.runtime.data.tokenizer import save_tokenizer
+from sft_runtime.runtime.policy.hf_model import write_hf_config
 
 
 class WorkerStateMixin:
@@ -52,7 +53,9 @@ class WorkerStateMixin:
             state["is_final_checkpoint"] = bool(is_final_checkpoint)
             files.append(ckpt.save_torch(path, state))
         if self.rank == 0:
-            files.append(ckpt.save_weights(weights_path, self.replica.weights()))
+            files.extend(ckpt.save_weights(weights_path, self.replica.weights()))
+            if self.replica.is_hf:
+                files.extend(write_hf_config(self.replica.model, weights_path, dtype=torch.float32))
             if tokenizer_path is not None:
                 files.extend(save_tokenizer(self.policy.tokenizer, tokenizer_path))
         rng_dir = rng_path or _default_rng_dir(weights_path)

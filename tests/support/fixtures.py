@@ -250,3 +250,24 @@ def traced_run(tmp_path_factory) -> dict[str, Any]:
     """A run directory written by a 'controller' process and two 'worker' processes, merged."""
     run_dir = tmp_path_factory.mktemp("traced_run")
     return {"run_dir": run_dir, **_run_scenario("driver", {"run_dir": str(run_dir)}, timeout=120)}
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A hub-like folder: Llama-3-style tokenizer and template beside a two-layer
+    ``LlamaForCausalLM`` (fp32), built offline once per session (about 1 s)."""
+    pytest.importorskip("transformers")
+    from tests.support.hf_models import hf_model_dir
+
+    return hf_model_dir(tmp_path_factory.mktemp("hf") / "tiny-llama", family="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    """A hub-like folder: ChatML tokenizer and template (with generation markers) beside a
+    two-layer ``Qwen2ForCausalLM`` (fp32), built offline once per session."""
+    pytest.importorskip("transformers")
+    from tests.support.hf_models import hf_model_dir
+
+    return hf_model_dir(tmp_path_factory.mktemp("hf") / "tiny-qwen2", family="qwen2")

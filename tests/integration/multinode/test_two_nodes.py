@@ -184,6 +184,7 @@ def test_too_few_nodes_is_refused(two_nodes, demo_data, tmp_path):
     config = tmp_path / "c.yaml"
     raw = small_raw(tmp_path / "run", demo_data, 2)
     raw["cluster"] = {"address": two_nodes, "num_nodes": 3, "workers_per_node": 1}
+    raw["policy"]["train_global_batch_size"] = 6  # splits over 3 ranks: only the nodes lack
     raw["checkpointing"]["checkpoint_dir"] = str(tmp_path / "run" / "checkpoints")
     config.write_text(yaml.safe_dump(raw))
     result = _train(config, tmp_path / "run", timeout=120)

@@ -1,0 +1,39 @@
+"""`export`: a checkpoint of a Hugging Face run as one standalone model folder."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model folder (from_pretrained)"
+    )
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("out", type=Path, help="the model folder to create (new or empty)")
+    p.add_argument("--step", type=int, default=None, help="default: the newest checkpoint")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="cast the weights (default: as saved, float32)",
+    )
+    p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN_DIR/checkpoints")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from sft_runtime.runtime.checkpoint.export import export_checkpoint
+
+    export_checkpoint(
+        args.run_dir,
+        args.out,
+        step=args.step,
+        dtype=args.dtype,
+        checkpoint_dir=args.checkpoint_dir,
+        progress=lambda line: print(line, file=sys.stderr),
+    )
+    print(args.out)
+    return 0

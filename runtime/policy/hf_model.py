@@ -1,0 +1,148 @@
+"""A pretrained Hugging Face causal LM as the policy: loading, packed forward, its own folder.
+
+The model is the `transformers` model itself, not a wrapper around it, so its parameter names
+(and with them every checkpoint) are the names `from_pretrained` expects. What sft-runtime
+adds lives in functions around it:
+
+- `load_hf_model` loads in float32 whatever dtype the folder stores (bf16 on the hub): the
+  training dtype is the config's (`policy.precision`), and a float32 master copy is what
+  AdamW needs. A folder whose weights do not cover the model is refused: transformers would
+  fill the gap with fresh random weights and only warn.
+- `hf_logits` runs packed rows: a float (batch, 1, T, T) mask that is causal inside each
+  sample and closed between samples, and positions that restart per sample, so a packed
+  sample's logits are those of the sample alone (with SDPA and eager attention alike).
+- `hf_state_dict` drops tied duplicates (the LM head that *is* the embedding), as
+  `save_pretrained` does, and `write_hf_config` adds ``config.json`` and
+  ``generation_config.json``, so a checkpoint's weights folder is a model folder.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sft_runtime.runtime.errors import UserInputError
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_local(path: str) -> bool:
+    """A folder on disk (or something meant as one), rather than a hub id like ``org/name``."""
+    return Path(path).exists() or not _HUB_ID.match(path) or path.startswith((".", "/", "~"))
+
+
+def hf_config(path: str) -> Any:
+    """The model's `transformers` config, read before anything is built (errors name the key)."""
+    from transformers import AutoConfig
+
+    if is_local(path):
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise UserInputError(f"policy.model.hf_path {path!r}: no such model folder")
+        if not (folder / "config.json").is_file():
+            raise UserInputError(
+                f"policy.model.hf_path {path!r}: no config.json (not a Hugging Face model folder)"
+            )
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=is_local(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserInputError(f"policy.model.hf_path {path!r}: unreadable config ({exc})") from None
+
+
+def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
+    """The pretrained model in float32, every weight from the folder (see module docstring)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per worker per load is noise in a run's log
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float32,
+        attn_implementation=attn_implementation,
+        local_files_only=is_local(path),
+        output_loading_info=True,
+    )
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(k) for k in info.get("mismatched_keys") or ())
+    if missing or mismatched:
+        shown = ", ".join([*missing, *mismatched][:5])
+        raise UserInputError(
+            f"policy.model.hf_path {path!r}: the folder's weights do not match the model "
+            f"({len(missing)} missing, {len(mismatched)} of another shape: {shown}); "
+            "transformers would train a freshly initialised model instead"
+        )
+    return model
+
+
+def packed_attention_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive (batch, 1, T, T) mask: 0 where query t may see key s (same sample, s <= t),
+    the dtype's minimum elsewhere. Padding (-1) sees padding, so no row is fully closed."""
+    t = segment_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    allowed = (segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)) & causal
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def hf_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    segment_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Logits (batch, T, vocab) of packed rows, each sample attending to itself only."""
+    mask = packed_attention_mask(segment_ids, torch.float32)
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids.clamp(min=0),
+        attention_mask=mask,
+        use_cache=False,
+    )
+    return out.logits
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's own ``state_dict`` less tied duplicates (one storage is saved once)."""
+    seen: set[int] = set()
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        state[name] = tensor
+    return state
+
+
+def load_hf_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Load weights saved by `hf_state_dict`: only tied duplicates may be absent."""
+    expected = set(model.state_dict())
+    tied = expected - set(hf_state_dict(model))
+    missing = expected - set(tensors) - tied
+    unexpected = set(tensors) - expected
+    if missing or unexpected:
+        raise UserInputError(
+            "checkpoint weights do not match the model: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    model.load_state_dict(tensors, strict=False)
+
+
+def write_hf_config(model: nn.Module, directory: str | Path, *, dtype: torch.dtype) -> list[str]:
+    """``config.json`` (saying the stored ``dtype``) and ``generation_config.json``."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config.__class__.from_dict(model.config.to_dict())  # a copy to edit
+    config.dtype = dtype
+    config.save_pretrained(out)
+    written = [str(out / "config.json")]
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(out)
+        written.append(str(out / "generation_config.json"))
+    return written
