@@ -6,6 +6,11 @@ seed, optimizer, schedule, loss, micro-batching and gradient all-reduce as
 step ends). The batches come either from a file written beforehand from the very loader
 stream sft-runtime trains on (`pretokenize`: the loop does no loading, and the losses
 agree), or from a `ColocatedLoader` each rank drives inline (load, train, commit).
+
+With ``policy.model.kind: hf`` the model is what a plain transformers script would use:
+``AutoModelForCausalLM.from_pretrained`` and a forward with the usual 2-D padding mask, not
+the runtime's loader and packed-row mask, so the comparison prices those too. That forward
+only knows one sample per row: packed rows are refused.
 """
 
 from __future__ import annotations
@@ -48,9 +53,18 @@ class PlainLoop:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=world
         )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(SEED)
-            self.model = build_model(self.policy.model)
+        if self.policy.model.kind == "hf":
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.policy.model.hf_path,
+                dtype=torch.float32,
+                attn_implementation=self.policy.model.attn_implementation,
+            )
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(SEED)
+                self.model = build_model(self.policy.model)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = self.policy.optimizer
@@ -76,6 +90,14 @@ class PlainLoop:
         self.loader.load()
         return self.loader.active_batch
 
+    def _logits(self, mb):
+        if self.policy.model.kind != "hf":
+            return self.model(mb.input_ids, mb.position_ids, mb.segment_ids)
+        if int(mb.segment_ids.max()) > 0:
+            raise ValueError("the plain HF forward takes one sample per row: turn packing off")
+        mask = (mb.segment_ids >= 0).long()
+        return self.model(input_ids=mb.input_ids, attention_mask=mask, use_cache=False).logits
+
     def step(self, step: int) -> float:
         from sft_runtime.runtime.policy.schedule import lr_at
 
@@ -88,7 +110,7 @@ class PlainLoop:
         size, nll = self.policy.train_micro_batch_size, 0.0
         for start in range(0, batch.num_rows, size):
             mb = batch.rows(start, min(start + size, batch.num_rows))
-            logits = self.model(mb.input_ids, mb.position_ids, mb.segment_ids)
+            logits = self._logits(mb)
             loss, metrics = fn(logits, mb, total)
             loss.backward()
             nll += float(metrics["nll_sum"])

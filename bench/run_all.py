@@ -24,7 +24,17 @@ sys.path.insert(0, str(ROOT))
 
 from bench.table import render  # noqa: E402
 
-BENCHMARKS = ["events", "loader", "policy", "tracing", "overhead", "prefetch", "scaling", "resume"]
+BENCHMARKS = [
+    "events",
+    "loader",
+    "policy",
+    "tracing",
+    "overhead",
+    "hf_step",
+    "prefetch",
+    "scaling",
+    "resume",
+]
 MARK = "bench-rows: "
 
 

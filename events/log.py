@@ -23,6 +23,7 @@ from sft_runtime.events.scan import ScanState, scan_lines
 from sft_runtime.events.schemas import EventPayload, LogRepaired
 
 _RUN_STARTED = b'"type":"run_started"'
+_TAIL_BYTES = 1 << 20  # far more than one record
 LOG_NAME = "events.jsonl"
 LOCK_NAME = "events.lock"
 DURABLE_TYPES = frozenset(
@@ -72,6 +73,28 @@ class LogReader:
                     except (orjson.JSONDecodeError, KeyError, AttributeError, TypeError):
                         continue  # the verifying pass reports this line
         return points
+
+
+def next_attempt(run_dir_or_file: Path | str) -> int:
+    """The attempt number the next writer of this log will get (1 for a new run), read
+    from the log's tail without a lock or a full scan: attempts only grow, so the last whole
+    line holds the largest. For labelling what a process does before it opens the log (its
+    telemetry resource); the writer's own `EventLog.attempt` is the record of truth."""
+    path = log_path(run_dir_or_file)
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - _TAIL_BYTES))
+            tail = fh.read()
+    except FileNotFoundError:
+        return 1
+    for raw in reversed(tail.split(b"\n")):
+        try:
+            return int(orjson.loads(raw)["attempt"]) + 1
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue  # a torn tail, or the cut-off first line of the window
+    return 1
 
 
 def read_log(path: Path | str, *, validate: bool = False) -> LogReader:

@@ -54,6 +54,7 @@ class Telemetry:
     memory_exporter: Any = None
     metric_reader: Any = None
     span_exporters: list[Any] = field(default_factory=list)
+    ids: Any = None  # the provider's `traces.ids.RunIdGenerator`
     closed: bool = False
 
     def force_flush(self, timeout_s: float | None = None) -> bool:
@@ -131,6 +132,7 @@ def setup_telemetry(
     rank: int | None = None,
     attempt: int | None = None,
     run_dir: str | Path | None = None,
+    node: str | None = None,
 ) -> Telemetry:
     """Install the SDK with the configured exporters for this process and return its handle.
 
@@ -145,7 +147,7 @@ def setup_telemetry(
         rundir = Path(run_dir) if run_dir is not None else None
         if config is None or not config.enabled or not _real_exporters(config):
             return Telemetry(role=role, rank=rank, attempt=attempt, run_dir=rundir, config=config)
-        _ACTIVE = _install(config, role=role, rank=rank, attempt=attempt, run_dir=rundir)
+        _ACTIVE = _install(config, role=role, rank=rank, attempt=attempt, run_dir=rundir, node=node)
         atexit.register(_ACTIVE.shutdown)
         return _ACTIVE
 
@@ -154,18 +156,32 @@ def _real_exporters(config: TelemetryConfig) -> list[str]:
     return [name for name in dict.fromkeys(config.exporters) if name != "none"]
 
 
+def service_name(config: TelemetryConfig, role: str) -> str:
+    """``<service_name>.<role>``: Jaeger colours spans and counts services by this name, so
+    the driver, the controller and the workers must not share one."""
+    return f"{config.service_name}.{role}"
+
+
 def resource_attributes(
-    config: TelemetryConfig, role: str, rank: int | None, attempt: int | None
+    config: TelemetryConfig,
+    role: str,
+    rank: int | None,
+    attempt: int | None,
+    node: str | None = None,
 ) -> dict[str, Any]:
-    """The attributes that tell processes apart in Jaeger ("process" tags) and OTLP backends."""
+    """The attributes that tell processes apart in Jaeger ("process" tags) and OTLP backends,
+    after OpenTelemetry's resource conventions: the service is the role, the instance the
+    rank, host and pid; the rank, node and attempt are tags of their own to filter by."""
     pid = os.getpid()
     instance = role if rank is None else f"{role}-{rank}"
     attrs: dict[str, Any] = {
-        "service.name": config.service_name,
+        "service.name": service_name(config, role),
+        "service.namespace": config.service_name,
         "service.instance.id": f"{instance}-{socket.gethostname()}-{pid}",
         "sft.role": role,
         "sft.rank": rank,
         "sft.attempt": attempt,
+        "sft.node_id": node,
         "host.name": socket.gethostname(),
         "process.pid": pid,
     }
@@ -190,15 +206,19 @@ def _install(
     rank: int | None,
     attempt: int | None,
     run_dir: Path | None,
+    node: str | None = None,
 ) -> Telemetry:
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-    attrs = resource_attributes(config, role, rank, attempt)
+    from sft_runtime.traces.ids import RunIdGenerator
+
+    attrs = resource_attributes(config, role, rank, attempt, node)
     resource = Resource.create(attrs)
-    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    ids = RunIdGenerator()
+    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False, id_generator=ids)
     handle = Telemetry(
         enabled=True,
         role=role,
@@ -207,6 +227,7 @@ def _install(
         run_dir=run_dir,
         config=config,
         tracer_provider=tracer_provider,
+        ids=ids,
     )
     timeout_ms = int(config.export_timeout_s * 1000)
     readers: list[Any] = []
@@ -279,7 +300,7 @@ def _span_exporter(
         return JaegerFileExporter(
             run_dir,
             process_key=f"{attrs['service.instance.id']}-{time.time_ns()}",
-            service_name=config.service_name,
+            service_name=attrs["service.name"],
             resource_attributes=attrs,
             attempt=attempt,
             max_spans=config.jaeger_file_max_spans,

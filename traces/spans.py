@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode
 
 from sft_runtime.traces.context import TRACER, attached
@@ -36,8 +36,18 @@ DRIVER_SPAN = "rl.sft_v2.driver"
 JOB_SPAN = "rl.sft_v2.job"
 STEP_SPAN = "rl.sft_v2.step"
 POLICY_TRAINING_SPAN = "rl.sft_v2.policy_training"
+START_STEP_SPAN = "rl.sft_v2.start_step"  # a worker's first call of a step (load, forward)
 SAVE_SPAN = "rl.sft_v2.save"
 JOB_TRACE_ATTR = "sft.job.trace_id"
+# Start-up, so "why did my resume take 40 s" is answered in the job trace's timeline.
+SETUP_SPANS = {
+    "check": "rl.sft_v2.setup.check",  # data set, model folder, tokenizer, run lock
+    "resume": "rl.sft_v2.setup.find_resume",  # log replay and checkpoint checks
+    "ray": "rl.sft_v2.setup.ray",  # start or join Ray
+    "workers": "rl.sft_v2.setup.workers",  # placement, actors, process group, weights
+    "open_log": "rl.sft_v2.setup.open_log",  # the controller opens (and repairs) the log
+    "loaders": "rl.sft_v2.setup.loaders",  # workers' telemetry, loaders, restored states
+}
 PHASE_ATTR = "sft.step.phase"  # the step phase a span belongs to (`states.step.StepPhase`)
 
 
@@ -69,6 +79,7 @@ def traced(
     attributes: Mapping[str, Any] | None = None,
     links: list[Link] | None = None,
     root: bool = False,
+    start_time: int | None = None,
 ) -> Iterator[Span]:
     """A current span, under the remote caller's context when a carrier is given.
 
@@ -84,6 +95,7 @@ def traced(
                 context=parent,
                 attributes=_clean(attributes),
                 links=links,
+                start_time=start_time,
                 record_exception=False,
                 set_status_on_exception=False,
             ) as span,
@@ -107,17 +119,19 @@ def _span_context(job: Span | SpanContext | None) -> SpanContext:
     return job.get_span_context()
 
 
-def start_step_span(
+@contextmanager
+def step_span(
     step: int,
     *,
     attempt: int | None = None,
     job: Span | SpanContext | None = None,
     attributes: Mapping[str, Any] | None = None,
-) -> Span:
-    """Start (not enter) the ``rl.sft_v2.step`` span: root of its own trace, linked to the job.
+) -> Iterator[Span]:
+    """A ``rl.sft_v2.step`` span as the current span, root of its own trace, linked to the
+    job (default: the current span), ended on exit; errors are marked as in `traced`.
 
-    For a step whose worker calls are sent before the previous step is done: inject its
-    context with `carrier_of`, then make it current with `step_span(..., span=...)`.
+    For a step whose extent is known when it begins. The controller's steps, whose first
+    calls go out before the previous step ends, use `traces.step_trace.StepTrace`.
     """
     job_ctx = _span_context(job)
     attrs: dict[str, Any] = {"step": step, "attempt": attempt}
@@ -126,7 +140,7 @@ def start_step_span(
         links = [Link(job_ctx, {"sft.link": "job"})]
         attrs[JOB_TRACE_ATTR] = f"{job_ctx.trace_id:032x}"
     attrs.update(attributes or {})
-    return TRACER.start_span(
+    span = TRACER.start_span(
         STEP_SPAN,
         context=otel_context.Context(),
         attributes=_clean(attrs),
@@ -134,32 +148,6 @@ def start_step_span(
         record_exception=False,
         set_status_on_exception=False,
     )
-
-
-def carrier_of(span: Span) -> dict[str, str]:
-    """A W3C carrier whose parent is ``span`` (which need not be current)."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=trace.set_span_in_context(span))
-    return carrier
-
-
-@contextmanager
-def step_span(
-    step: int,
-    *,
-    attempt: int | None = None,
-    job: Span | SpanContext | None = None,
-    attributes: Mapping[str, Any] | None = None,
-    span: Span | None = None,
-) -> Iterator[Span]:
-    """The ``rl.sft_v2.step`` span as the current span, ended on exit.
-
-    ``job`` defaults to the current span (call it inside the job span). Errors are marked as
-    in `traced`. Worker spans join the step trace through `inject_carrier()` as usual.
-    ``span`` enters a step span made earlier by `start_step_span`.
-    """
-    if span is None:
-        span = start_step_span(step, attempt=attempt, job=job, attributes=attributes)
     with (
         trace.use_span(
             span, end_on_exit=True, record_exception=False, set_status_on_exception=False

@@ -25,7 +25,16 @@ from sft_runtime.traces.jaeger_json import (
 )
 
 STEP_OPERATION = "rl.sft_v2.step"  # traces.spans.STEP_SPAN, without importing the API here
-__all__ = ["Node", "TraceFileError", "build_tree", "find_step_trace", "render_tree", "run_spans"]
+JOB_OPERATION = "rl.sft_v2.job"  # traces.spans.JOB_SPAN
+__all__ = [
+    "Node",
+    "TraceFileError",
+    "build_tree",
+    "find_job_trace",
+    "find_step_trace",
+    "render_tree",
+    "run_spans",
+]
 
 
 @dataclass
@@ -82,6 +91,23 @@ def find_step_trace(
     trace.pop("_attempt", None)
     span = next(s for s in trace["spans"] if s["spanID"] == span_id)
     return span, trace, len(runs)
+
+
+def find_job_trace(run_dir: str | Path) -> tuple[dict[str, Any], int]:
+    """(the newest attempt's job trace, how many attempts traced one): start-up, the saves
+    and teardown, which the step traces link to by their ``sft.job.trace_id`` tag."""
+    source = run_spans(run_dir)
+    jobs = sorted(
+        (span.get("startTime", 0), span["traceID"])
+        for span, _ in source()
+        if span.get("operationName") == JOB_OPERATION
+    )
+    if not jobs:
+        raise TraceFileError(f"{trace_dir(run_dir)}: no {JOB_OPERATION} spans in the trace files")
+    trace_id = jobs[-1][1]
+    [trace] = build_traces(pair for pair in source() if pair[0]["traceID"] == trace_id)
+    trace.pop("_attempt", None)
+    return trace, len(jobs)
 
 
 def build_tree(trace: dict[str, Any], root_id: str | None = None) -> list[Node]:

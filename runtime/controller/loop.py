@@ -20,6 +20,7 @@ from typing import Any
 from opentelemetry import trace
 
 from sft_runtime.events import open_log
+from sft_runtime.events.log import next_attempt
 from sft_runtime.runtime.checkpoint.save import Checkpointer
 from sft_runtime.runtime.config import (
     MasterConfig,
@@ -52,11 +53,11 @@ from sft_runtime.traces.spans import (
     PHASE_ATTR,
     POLICY_TRAINING_SPAN,
     SAVE_SPAN,
+    SETUP_SPANS,
     record_error,
-    set_attributes_lazily,
-    step_span,
     traced,
 )
+from sft_runtime.traces.step_trace import StepTrace
 
 S = ControllerState
 P = StepPhase
@@ -80,7 +81,8 @@ class SFTController:
         self.log = None
         self.calls = StepCalls(self.group, actor_args.loss_fn)
         self._job = None  # the job span (each step span links to it)
-        self._t_free = 0.0  # when the workers finished the last step
+        self._trace: StepTrace | None = None  # the trace of the step in flight
+        self._step_attributes: dict[str, Any] | None = None
         self.model: ControllerModel | None = None
         self.metrics: MetricsLogger | None = None
         self.instruments = StepInstruments(SFT_V2_TEED_METRICS)
@@ -92,7 +94,12 @@ class SFTController:
 
     def run_with_trace_context(self, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """`run` as a child of the driver's span; exports this process's spans at the end."""
-        telemetry = setup_telemetry(self.config.telemetry, role="controller", run_dir=self.run_dir)
+        telemetry = setup_telemetry(
+            self.config.telemetry,
+            role="controller",
+            run_dir=self.run_dir,
+            attempt=next_attempt(self.run_dir),  # as the log will number it when opened
+        )
         try:
             with attached(_otel_carrier):
                 return self.run()
@@ -102,11 +109,13 @@ class SFTController:
     def run(self) -> dict[str, Any]:
         with traced(JOB_SPAN) as job:
             self._job = job
-            self._open()
+            with traced(SETUP_SPANS["open_log"]):
+                self._open()
             start_step = self.model.save_state.total_steps
             reason, error = "completed", None
             try:
-                self._setup_loaders()
+                with traced(SETUP_SPANS["loaders"]):
+                    self._setup_loaders()
                 while self.model.state is S.loading:
                     self._check_driver()
                     self.model.stop_requested = self._stop.is_set()
@@ -189,63 +198,76 @@ class SFTController:
 
     def _run_one_step(self) -> None:
         step = self.model.save_state.total_steps + 1
-        ahead = self.calls.ahead_span(step)  # its start was sent with the last step
-        with step_span(step, attempt=self._attempt, job=self._job, span=ahead) as span:
-            t0 = self._t_free if ahead is not None else time.perf_counter()
-            now = StepInFlight()  # how far the step got, what an abort must undo
-            try:
-                with traced(POLICY_TRAINING_SPAN):
-                    envelopes, results = self._run_train_step(step)
-                t_done = time.perf_counter()
-                now.trained()
-                self._fault_after(P.train, step)
-                load_time = max(e.load_seconds for e in envelopes)
-                metrics = step_metrics(
-                    envelopes,
-                    results,
-                    load_time=load_time,
-                    policy_time=t_done - t0 - load_time,
-                    total_time=time.perf_counter() - t0,
-                )
-                now.enter(P.metrics)
-                self._checkpoint_metric(metrics)  # an unknown metric name fails at step 1
-                now.enter(P.commit)
-                self._check_driver()  # a killed run commits no step after its driver died
-                self.calls.recorded()  # the loader commit goes with the next start
-                now.committed()
-                self._fault_after(P.commit, step)
-                now.enter(P.record)
-                trace_id, span_id = span_ids(span)
-                payload = fold.step_committed_event(
-                    step,
-                    metrics,
-                    timings=step_timings(metrics),
-                    sample_digests=[sample_digest(e.source_ids) for e in envelopes],
-                    trace_id=trace_id,
-                    span_id=span_id,
-                )
-                with traced("rl.sft_v2.event_append", attributes={PHASE_ATTR: P.record.value}):
-                    self.model.commit(event=payload)
-                self._fault_after(P.record, step)
-            except BaseException as exc:
-                record_error(span, exc)
-                self._abort_step(exc, now)
-                raise
-            self._t_free = t_done
-            self._last_metrics = metrics
-            self._losses.append(metrics["loss"])
-            self.metrics.log(step, metrics)
-            self.instruments.record(metrics, {"attempt": self._attempt})
-            set_attributes_lazily(
-                span, lambda: step_attributes(metrics, self.model.save_state.consumed_samples)
+        # its start was sent with the last step, or it starts now
+        st = self.calls.ahead_trace(step)
+        if st is None:
+            st = StepTrace(step, attempt=self._attempt, job=self._job)
+        self._trace = st
+        now = StepInFlight()  # how far the step got, what an abort must undo
+        try:
+            with st.current():
+                self._step_in(st, step, now)
+        except BaseException as exc:
+            st.error = exc
+            raise
+        finally:
+            st.end(attributes=self._step_attributes)
+            self._trace = None
+
+    def _step_in(self, st: StepTrace, step: int, now: StepInFlight) -> None:
+        """The step's work under its trace: train, metrics, commit, record (or abort)."""
+        self._step_attributes = None
+        try:
+            t0 = st.began()  # a start sent ahead may have begun earlier, in the workers
+            with traced(POLICY_TRAINING_SPAN, start_time=t0):
+                envelopes, results = self._run_train_step(step)
+            t_done = st.seconds_since_start()
+            now.trained()
+            self._fault_after(P.train, step)
+            load_time = max(e.load_seconds for e in envelopes)
+            metrics = step_metrics(
+                envelopes,
+                results,
+                load_time=load_time,
+                policy_time=t_done - load_time,
+                total_time=st.seconds_since_start(),
             )
+            now.enter(P.metrics)
+            self._checkpoint_metric(metrics)  # an unknown metric name fails at step 1
+            now.enter(P.commit)
+            self._check_driver()  # a killed run commits no step after its driver died
+            self.calls.recorded()  # the loader commit goes with the next start
+            now.committed()
+            self._fault_after(P.commit, step)
+            now.enter(P.record)
+            trace_id, span_id = st.ids
+            payload = fold.step_committed_event(
+                step,
+                metrics,
+                timings=step_timings(metrics),
+                sample_digests=[sample_digest(e.source_ids) for e in envelopes],
+                trace_id=trace_id,
+                span_id=span_id,
+            )
+            with traced("rl.sft_v2.event_append", attributes={PHASE_ATTR: P.record.value}):
+                self.model.commit(event=payload)
+            self._fault_after(P.record, step)
+        except BaseException as exc:
+            self._abort_step(exc, now)
+            raise
+        self._last_metrics = metrics
+        self._losses.append(metrics["loss"])
+        self.metrics.log(step, metrics)
+        self.instruments.record(metrics, {"attempt": self._attempt})
+        if st.recording:
+            consumed = self.model.save_state.consumed_samples
+            self._step_attributes = step_attributes(metrics, consumed)
 
     def _run_train_step(self, step: int) -> tuple[list, list[dict[str, Any]]]:
         """Send the step's start (unless sent ahead) and finish, and the next step's start when
         it is certain to follow (`StepCalls`); then wait: envelopes and finish metrics."""
-        carrier = inject_carrier()
-        start = self.calls.start(step, carrier)
-        finish = self.calls.finish(carrier)
+        start = self.calls.start(step, self._trace.carrier())  # under the step's root
+        finish = self.calls.finish(inject_carrier())  # under policy_training
         state = replace(self.model.save_state, total_steps=step)
         # this step ends about one mean step from now: would the deadline fire at its end?
         soon = self.model.deadline_within(1)
@@ -258,6 +280,9 @@ class SFTController:
         """The owners' envelopes from the step's start: the batch is loaded (it stays in the
         workers), the machine moves to ``stepping``."""
         outs = self.group.wait(start)
+        began = [o["started_ns"] for o in outs if isinstance(o, dict) and "started_ns" in o]
+        if began and self._trace is not None:
+            self._trace.began(min(began))  # a start sent ahead began when a worker took it
         envelopes = [outs[rank]["envelope"] for rank in self.group.owner_ranks]
         check_envelopes(envelopes, self.plan.logical_world_size)
         self._fault_after(P.loading, step)
@@ -333,7 +358,6 @@ class SFTController:
             self.model.saved(event=write.complete())
         fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
         quietly("prune old checkpoints", self.checkpointer.prune)
-        self._t_free = time.perf_counter()  # the next step's time starts after the save
 
     def _abort_step(self, exc: BaseException, now: StepInFlight) -> None:
         """Undo what the step opened, record `step_aborted`; cleanup failures only warn."""

@@ -132,13 +132,15 @@ def step_timings(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def step_attributes(metrics: dict[str, Any], consumed_samples: int) -> dict[str, Any]:
-    """Attributes of a finished ``rl.sft_v2.step`` span."""
+    """Attributes of a finished ``rl.sft_v2.step`` span; durations say their unit (the span's
+    own extent, ``total_step_time_s``, is added when it is drawn: `StepTrace.end`)."""
     return {
         "loss": metrics["loss"],
         "grad_norm": metrics["grad_norm"],
         "valid_tokens": metrics["valid_tokens"],
         "consumed_samples": consumed_samples,
-        "total_step_time": metrics["total_step_time"],
+        "policy_time_s": metrics[POLICY_TIME_KEY],
+        "load_time_s": metrics["load_time"],
     }
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from sft_runtime.runtime.policy.calls import Pending
-from sft_runtime.traces.spans import carrier_of, start_step_span
+from sft_runtime.traces.step_trace import StepTrace
 
 SETTLE_TIMEOUT_S = 30.0
 
@@ -34,15 +34,15 @@ class StepCalls:
         self.group = group
         self.loss_fn = loss_fn
         self.commit_pending = False  # the last recorded step's batch still needs a commit
-        self._ahead: tuple[int, Pending, Any] | None = None  # (step, its start, its span)
+        self._ahead: tuple[int, Pending, StepTrace] | None = None  # (step, its start, trace)
         self._sent: Pending | None = None  # the current step's calls, for `settle`
 
     @property
     def has_ahead(self) -> bool:
         return self._ahead is not None
 
-    def ahead_span(self, step: int) -> Any:
-        """The step span of ``step`` when its start was sent ahead (the step runs inside it)."""
+    def ahead_trace(self, step: int) -> StepTrace | None:
+        """The trace of ``step`` when its start was sent ahead (the step runs inside it)."""
         return self._ahead[2] if self._ahead is not None and self._ahead[0] == step else None
 
     def start(self, step: int, carrier: dict) -> Pending:
@@ -64,12 +64,14 @@ class StepCalls:
 
     def send_ahead(self, step: int, *, commit: bool, attempt: int | None, job: Any) -> None:
         """Send ``step``'s start now, queued behind the calls sent so far (the current step's
-        finish, or a checkpoint's), in a step span of its own (linked to ``job``); with
+        finish, or a checkpoint's), in a step trace of its own (linked to ``job``); with
         ``commit`` it commits the current step's batch in the worker if (and only if) that
         step finished there."""
-        span = start_step_span(step, attempt=attempt, job=job)
-        pending = self.group.send_start(self.loss_fn, commit, carrier=carrier_of(span))
-        self._ahead = (step, pending, span)
+        trace = StepTrace(step, attempt=attempt, job=job, sent_ahead=True)
+        pending = self.group.send_start(
+            self.loss_fn, commit, sent_ahead=True, carrier=trace.carrier()
+        )
+        self._ahead = (step, pending, trace)
 
     def recorded(self) -> None:
         """The current step is recorded: its batch is committed by the start sent ahead, or
@@ -103,10 +105,9 @@ class StepCalls:
         if self._ahead is None:
             return False
         self.settle()
-        span = self._ahead[2]
+        trace = self._ahead[2]
         self._ahead = None
-        span.set_attribute("sft.discarded", True)
-        span.end()
+        trace.end(attributes={"sft.discarded": True})
         self.commit_pending = False
         self.group.abort_train_step()
         self.group.abort_batches()

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import ray
 
+from sft_runtime.events.log import next_attempt
 from sft_runtime.runtime.config import MasterConfig
 from sft_runtime.runtime.controller.faults import actor_fault_options, fault_point
 from sft_runtime.runtime.errors import quietly
@@ -94,7 +95,8 @@ def run_training(
     step fails.
     """
     run_dir = Path(config.logger.log_dir or ".")
-    telemetry = setup_telemetry(config.telemetry, role="driver", run_dir=run_dir)
+    attempt = next_attempt(run_dir)  # the controller opens the log later; label it now
+    telemetry = setup_telemetry(config.telemetry, role="driver", run_dir=run_dir, attempt=attempt)
     summary: dict[str, Any] | None = None
     try:
         with traced(DRIVER_SPAN):

@@ -26,6 +26,7 @@ from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.launch.liveness import driver_alive, driver_identity
 from sft_runtime.runtime.policy.config import ClusterConfig
 from sft_runtime.states import SFTV2SaveState, initial_save_state
+from sft_runtime.traces.spans import SETUP_SPANS, traced
 
 LOCK_WAIT_S = 15.0
 
@@ -160,16 +161,20 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
 
     config = master_config
     run_dir = Path(config.logger.log_dir)
-    _check_data_path(config)
-    if config.policy.model.kind == "hf":  # the model folder first: the tokenizer may be in it
-        from sft_runtime.runtime.policy.hf_model import hf_config
+    with traced(SETUP_SPANS["check"]):
+        _check_data_path(config)
+        if config.policy.model.kind == "hf":  # the model folder first: it may hold the tokenizer
+            from sft_runtime.runtime.policy.hf_model import hf_config
 
-        hf_config(str(config.policy.model.hf_path))
-    tokenizer = tokenizer_or_processor or build_tokenizer(config.policy.tokenizer)
-    check_model_covers(config, tokenizer.vocab_size)
-    probe_run_lock(run_dir)
-    resume = find_resume_point(run_dir, CheckpointDir(checkpoint_root(config)))
-    ensure_ray(config.cluster)
+            hf_config(str(config.policy.model.hf_path))
+        tokenizer = tokenizer_or_processor or build_tokenizer(config.policy.tokenizer)
+        check_model_covers(config, tokenizer.vocab_size)
+        probe_run_lock(run_dir)
+    with traced(SETUP_SPANS["resume"]) as span:  # log replay and checkpoint checks
+        resume = find_resume_point(run_dir, CheckpointDir(checkpoint_root(config)))
+        span.set_attribute("sft.resume.step", resume.step or 0)
+    with traced(SETUP_SPANS["ray"]):
+        ensure_ray(config.cluster)
     restore = None
     if resume.step:
         policy = resume.policy_dir
@@ -179,12 +184,14 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
             "optimizer_path": str(optimizer) if optimizer.is_dir() else None,
             "rng_path": str(policy / "rng"),
         }
-    try:
-        group = PolicyWorkerGroup(
-            config.policy, config.cluster, seed=config.sft.seed, restore=restore
-        )
-    except PlacementError as exc:
-        raise UserInputError(str(exc)) from None
+    # placement group, worker actors, their process group and, on resume, the checkpoint load
+    with traced(SETUP_SPANS["workers"], attributes={"sft.restore": restore is not None}):
+        try:
+            group = PolicyWorkerGroup(
+                config.policy, config.cluster, seed=config.sft.seed, restore=restore
+            )
+        except PlacementError as exc:
+            raise UserInputError(str(exc)) from None
     try:
         plan = build_placement_plan(
             group.sharding_annotations(), config.data.energon.topology_mapper

@@ -72,10 +72,23 @@ class WorkerCalls:
         self._settle(pending, timeout_s)
 
     # ------------------------------------------------------------ one step, sent ahead
-    def send_start(self, loss_fn: Any, commit_previous: bool, *, carrier: dict | None = None):
+    def send_start(
+        self,
+        loss_fn: Any,
+        commit_previous: bool,
+        *,
+        sent_ahead: bool = False,
+        carrier: dict | None = None,
+    ) -> Pending:
         """`start_sft_step`: commit the previous batch (if asked), load, begin, forward and
-        backward. Results carry each owner's `StepEnvelope`."""
-        return self._submit("start_sft_step", loss_fn, commit_previous, _otel_carrier=carrier)
+        backward. Results carry each owner's `StepEnvelope` and when each call began."""
+        return self._submit(
+            "start_sft_step",
+            loss_fn,
+            commit_previous,
+            sent_ahead=sent_ahead,
+            _otel_carrier=carrier,
+        )
 
     def send_finish(self, *, carrier: dict | None = None, ranks: Ranks = "all") -> Pending:
         """`finish_train_step`: gradient all-reduce, clip, optimizer step."""

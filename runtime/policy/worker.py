@@ -43,7 +43,7 @@ from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
 from sft_runtime.runtime.policy.worker_state import WorkerStateMixin
 from sft_runtime.states.step import StepPhase
-from sft_runtime.traces.spans import PHASE_ATTR, traced
+from sft_runtime.traces.spans import PHASE_ATTR, START_STEP_SPAN, traced
 
 P = StepPhase
 
@@ -112,8 +112,9 @@ class PolicyWorkerBase(WorkerStateMixin):
         """Install this process's exporters (once per process; no-op when disabled)."""
         from sft_runtime.traces.setup import setup_telemetry
 
+        node = ray.get_runtime_context().get_node_id()
         self._telemetry = setup_telemetry(
-            config, role="worker", rank=self.rank, attempt=attempt, run_dir=run_dir
+            config, role="worker", rank=self.rank, attempt=attempt, run_dir=run_dir, node=node
         )
         return self._telemetry.enabled
 
@@ -242,6 +243,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         loss_fn: Any = None,
         commit_previous: bool = False,
         *,
+        sent_ahead: bool = False,
         _otel_carrier: dict | None = None,
     ) -> dict[str, Any]:
         """A step up to its gradients, in one call: commit the previous batch, load, begin, train.
@@ -257,9 +259,20 @@ class PolicyWorkerBase(WorkerStateMixin):
         so every rank fails at once instead of waiting for the process-group timeout (a failed
         train makes the queued `finish` refuse on every rank). The error is raised with
         ``sft_phase`` (a `StepPhase`: loading or train) set, which the controller records in
-        ``step_aborted``. Returns the envelope, ``begin_s`` and ``forward_backward_s``.
+        ``step_aborted``. Returns the envelope, ``begin_s``, ``forward_backward_s`` and
+        ``started_ns`` (when this call began: where the step's trace starts when the call was
+        sent ahead and queued here behind the previous step).
         """
-        carrier = _otel_carrier
+        started_ns = time.time_ns()
+        attrs = {"rank": self.rank, "sft.sent_ahead": sent_ahead}
+        with traced(
+            START_STEP_SPAN, carrier=_otel_carrier, attributes=attrs, start_time=started_ns
+        ):
+            out = self._start_step(loss_fn, commit_previous)
+        return {**out, "started_ns": started_ns}
+
+    def _start_step(self, loss_fn: Any, commit_previous: bool) -> dict[str, Any]:
+        carrier = None  # the spans below are children of the start's span
         before_begin: Exception | None = None
         try:
             if commit_previous:

@@ -68,7 +68,8 @@ def test_spans_reach_an_otlp_http_receiver(receiver, run_scenario):
     assert attrs["step"].int_value == 7 and attrs["note"].string_value == "hello"
     assert {kv.key: kv.value for kv in child.attributes}["valid_tokens"].int_value == 123
     res = resources[0]
-    assert res["service.name"].string_value == "sft-runtime"
+    assert res["service.name"].string_value == "sft-runtime.worker"
+    assert res["service.namespace"].string_value == "sft-runtime"
     assert res["sft.role"].string_value == "worker"
     assert res["sft.rank"].int_value == 3 and res["sft.attempt"].int_value == 2
     assert "host.name" in res and "process.pid" in res

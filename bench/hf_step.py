@@ -1,0 +1,147 @@
+"""Step time of sft-runtime training a Hugging Face model against a plain transformers loop.
+
+`overhead.py` prices the runtime around its own small transformer; a user who brings an HF
+checkpoint compares with the loop they would write themselves: ``AutoModelForCausalLM`` and
+AdamW on the same batches (`plain_loop.py` with ``policy.model.kind: hf``). The model is a
+Llama folder as on the hub (trained tokenizer and chat template, `tests.support.hf_models`),
+widened so a step is compute-bound, since a tiny step would make any fixed cost look huge.
+DP=1 leaves one of this machine's two cores to the runtime's controller (the plain loop has
+none). The plain loop reads the very batches the runtime's loader yields, written
+beforehand, so it does no loading and the losses must agree. Target: sft-runtime <= 1.05x.
+
+The runtime's step includes loading (its default, no read-ahead): the model's own BPE
+tokenizer and chat template cost far more per sample than the byte tokenizer `overhead.py`
+runs, so a row shows that share of the gap apart from the rest (Ray calls, controller,
+events, spans, checkpoints).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import harness as h  # noqa: E402
+from bench.plain_loop import plain_run, pretokenize  # noqa: E402
+
+TARGET = 1.05
+WORLD = 1
+# The test folder's Llama (hidden 64) is so small that fixed costs would rule its step; this
+# one takes about 200 ms a step on one core here.
+LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+SHAPE = {**h.COMPUTE, "packing": False}  # the plain HF forward takes one sample per row
+# Two forwards that differ only in how they mask padding differ by float rounding at most.
+LOSS_TOLERANCE = 1e-4
+
+
+def model_dir(out: Path) -> Path:
+    """A hub-like Llama folder, its model widened to `LLAMA` (same tokenizer, same ids)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from tests.support.hf_models import hf_model_dir
+
+    hf_logging.disable_progress_bar()  # a bar per saved shard
+    folder = hf_model_dir(out, family="llama")
+    config = AutoConfig.from_pretrained(folder)
+    config.update(LLAMA)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(h.SEED)
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    return folder
+
+
+def raw_config(data: Path, model: Path, run_dir: Path) -> dict:
+    raw = h.raw_config(SHAPE, data, run_dir, h.STEPS, world=WORLD)
+    raw["policy"]["model"] = {"kind": "hf", "hf_path": str(model)}  # its tokenizer too
+    return raw
+
+
+def run() -> list[dict]:
+    """sft-runtime vs the plain transformers loop, h.OVERHEAD_ROUNDS alternating rounds."""
+    with h.workspace() as (data, tmp):
+        return _hf_step(data, tmp)
+
+
+def _hf_step(data: Path, tmp: Path) -> list[dict]:
+    model = model_dir(tmp / "tiny-llama")
+    batches = pretokenize(raw_config(data, model, tmp), WORLD, h.STEPS, tmp / "batches.pt")
+    tokens = _tokens_per_step(batches)
+    ref, sub, ratios, extra, load, diffs = [], [], [], [], [], []
+    for i in range(h.OVERHEAD_ROUNDS):
+        plain = plain_run(raw_config(data, model, tmp), WORLD, h.STEPS, batches)
+        ours = h.runtime_run(raw_config(data, model, tmp / f"run-{i}"))
+        t_ref, t_sub = h.step_time(plain["times"]), h.step_time(ours["times"])
+        ref.append(t_ref)
+        sub.append(t_sub)
+        ratios.append(t_sub / t_ref)
+        extra.append(t_sub - t_ref)
+        load.append(statistics.median(ours["load"][h.WARMUP :]))
+        diffs.append(max(abs(a - b) for a, b in zip(plain["losses"], ours["losses"], strict=True)))
+        print(
+            f"hf_step.py: round {i + 1}/{h.OVERHEAD_ROUNDS}: plain {t_ref * 1e3:.1f} ms, "
+            f"sft-runtime {t_sub * 1e3:.1f} ms, max loss diff {diffs[-1]:.2e}",
+            file=sys.stderr,
+            flush=True,
+        )
+    ratio, t_ref, t_sub = statistics.median(ratios), statistics.median(ref), statistics.median(sub)
+    diff = max(diffs)
+    ms = 1e3
+    return [
+        h.row(
+            "hf.step.time.sft_runtime",
+            t_sub * ms,
+            "ms",
+            t_ref * ms,
+            f"<= {TARGET}x",
+            ratio <= TARGET,
+            ratio,
+        ),
+        h.row("hf.step.tokens_per_s.sft_runtime", tokens / t_sub, "tokens/s", tokens / t_ref),
+        h.row(
+            "hf.step.overhead_per_step (sft-runtime - plain)", statistics.median(extra) * ms, "ms"
+        ),
+        h.row(
+            "hf.step.of_which_loading (HF tokenizer, inline)", statistics.median(load) * ms, "ms"
+        ),
+        {
+            **h.row(
+                "hf.step.max_loss_diff_vs_plain",
+                diff,
+                "nats",
+                None,
+                f"<= {LOSS_TOLERANCE:g}",
+                diff <= LOSS_TOLERANCE,
+            ),
+            "note": _loss_note(diff),
+        },
+    ]
+
+
+def _tokens_per_step(batches: Path) -> float:
+    """Mean tokens of the steps `h.step_time` times, padding left out (both sides compute
+    it, neither learns from it)."""
+    import torch
+
+    steps = torch.load(batches, weights_only=False)[0][h.WARMUP :]
+    return sum(int((b.segment_ids >= 0).sum()) for b in steps) / len(steps)
+
+
+def _loss_note(diff: float) -> str:
+    if diff == 0.0:
+        return "bitwise equal"
+    return (
+        "not bitwise: the runtime passes the model an additive float (B, 1, T, T) mask built "
+        "from segment ids (it packs rows), the plain loop the usual 2-D padding mask that "
+        "transformers expands itself, so attention runs another mask and kernel path and "
+        "rounds differently; AdamW carries the difference into later steps"
+    )
+
+
+if __name__ == "__main__":
+    h.main(run, __doc__)

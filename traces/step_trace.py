@@ -1,0 +1,131 @@
+"""`StepTrace`: one step's trace, whose root span is drawn once the step's extent is known.
+
+A step's first worker calls are often sent while the previous step is still running (queued
+behind its finish), and they must carry their parent's id when they are sent. Opening the
+root then would start the step's trace tens of milliseconds before anything of the step ran,
+overlapping the step before. So the root's ids are reserved up front (`traces.ids`), the
+step's work is parented to them through a placeholder, and the root itself is started and
+ended afterwards with the times the step really began (the earliest worker call, or the
+controller's first send) and ended. ``total_step_time_s`` is computed from the same two
+instants, so the span's extent and its attribute agree.
+
+Each root is a trace of its own, linked to the job span (see `traces.spans`). With telemetry
+off nothing is reserved or drawn, and the placeholder is the API's invalid span.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    Link,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    TraceFlags,
+)
+
+from sft_runtime.traces.context import TRACER
+from sft_runtime.traces.setup import active_telemetry
+from sft_runtime.traces.spans import JOB_TRACE_ATTR, STEP_SPAN, record_error
+
+
+class StepTrace:
+    """The trace of step ``step``: reserved ids, its start, attributes, error, then the root."""
+
+    def __init__(
+        self,
+        step: int,
+        *,
+        attempt: int | None,
+        job: Span | None,
+        sent_ahead: bool = False,
+    ) -> None:
+        self.step = step
+        self.sent_ns = time.time_ns()  # nothing of the step can begin before this
+        self.started_ns: int | None = None
+        self.attributes: dict[str, Any] = {
+            "step": step,
+            "attempt": attempt,
+            "sft.sent_ahead": sent_ahead,
+        }
+        self.error: BaseException | None = None
+        self._job = job.get_span_context() if job is not None else None
+        telemetry = active_telemetry()
+        self._ids = getattr(telemetry, "ids", None) if telemetry is not None else None
+        self._reserved: tuple[int, int] | None = None
+        self.placeholder: Span = INVALID_SPAN
+        if self._ids is not None:
+            self._reserved = self._ids.reserve()
+            trace_id, span_id = self._reserved
+            flags = TraceFlags(TraceFlags.SAMPLED)
+            self.placeholder = NonRecordingSpan(SpanContext(trace_id, span_id, False, flags))
+        self._ended = False
+
+    @property
+    def recording(self) -> bool:
+        return self._reserved is not None
+
+    @property
+    def ids(self) -> tuple[str | None, str | None]:
+        """(trace id, span id) of the root, as hex (None with telemetry off)."""
+        if self._reserved is None:
+            return None, None
+        return f"{self._reserved[0]:032x}", f"{self._reserved[1]:016x}"
+
+    def carrier(self) -> dict[str, str]:
+        """A W3C carrier whose parent is this step's root (for worker calls)."""
+        carrier: dict[str, str] = {}
+        if self.recording:
+            propagate.inject(carrier, context=trace.set_span_in_context(self.placeholder))
+        return carrier
+
+    @contextmanager
+    def current(self) -> Iterator[Span]:
+        """The root (as its placeholder) is the current span: spans made here are its children."""
+        with trace.use_span(self.placeholder, end_on_exit=False):
+            yield self.placeholder
+
+    def began(self, at_ns: int | None = None) -> int:
+        """The step's first piece of work began at ``at_ns`` (default: now), never before it
+        was sent (a worker on another node may run a skewed clock); the earliest call wins."""
+        at = max(self.sent_ns, time.time_ns() if at_ns is None else at_ns)
+        self.started_ns = at if self.started_ns is None else min(self.started_ns, at)
+        return self.started_ns
+
+    def seconds_since_start(self, now_ns: int | None = None) -> float:
+        now = time.time_ns() if now_ns is None else now_ns
+        return max(0, now - (self.started_ns or self.sent_ns)) / 1e9
+
+    def end(self, end_ns: int | None = None, attributes: Mapping[str, Any] | None = None) -> None:
+        """Draw the root from the step's start to ``end_ns`` (default: now); once."""
+        if self._ended or not self.recording:
+            self._ended = True
+            return
+        self._ended = True
+        end = time.time_ns() if end_ns is None else end_ns
+        start = min(self.started_ns or self.sent_ns, end)
+        attrs = {**self.attributes, **(attributes or {}), "total_step_time_s": (end - start) / 1e9}
+        links = None
+        if self._job is not None and self._job.is_valid:
+            links = [Link(self._job, {"sft.link": "job"})]
+            attrs[JOB_TRACE_ATTR] = f"{self._job.trace_id:032x}"
+        with self._ids.use(self._reserved):
+            span = TRACER.start_span(
+                STEP_SPAN,
+                context=otel_context.Context(),
+                attributes={k: v for k, v in attrs.items() if v is not None},
+                links=links,
+                start_time=start,
+                record_exception=False,
+                set_status_on_exception=False,
+            )
+        if self.error is not None:
+            record_error(span, self.error)
+        span.end(end_time=end)
