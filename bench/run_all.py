@@ -34,6 +34,7 @@ BENCHMARKS = [
     "prefetch",
     "scaling",
     "resume",
+    "shutdown",
 ]
 MARK = "bench-rows: "
 

@@ -31,6 +31,7 @@ _LOCK = threading.Lock()
 _ACTIVE: Telemetry | None = None
 _TRACES_PATH, _METRICS_PATH = "v1/traces", "v1/metrics"
 METRIC_EXPORT_INTERVAL_S = 10.0
+GAVE_UP_SHUTDOWN_S = 0.1  # the last shutdown after a flush already found the collector down
 # Room for a burst (a checkpoint's worth of steps) before the batch processor drops spans.
 MAX_QUEUED_SPANS = 8192
 
@@ -56,12 +57,21 @@ class Telemetry:
     span_exporters: list[Any] = field(default_factory=list)
     ids: Any = None  # the provider's `traces.ids.RunIdGenerator`
     closed: bool = False
+    gave_up: bool = False  # a flush did not finish in time: the collector is down or stuck
 
-    def force_flush(self, timeout_s: float | None = None) -> bool:
-        """Push buffered spans and metrics out; True when done within the bound."""
+    def force_flush(self, timeout_s: float | None = None, *, deadline: float | None = None) -> bool:
+        """Push buffered spans and metrics out; True when done within the bound.
+
+        ``deadline`` (unix seconds) is the run's one shutdown deadline: the workers, the
+        controller and the driver flush one after another, and each waits only for what is
+        left of it, so a dead collector costs the run ``shutdown_timeout_s`` once, not once
+        per process.
+        """
         if not self.enabled or self.closed:
             return True
         bound = timeout_s if timeout_s is not None else self._bound()
+        if deadline is not None:
+            bound = max(0.0, min(bound, deadline - time.time()))
 
         def flush() -> None:
             millis = int(bound * 1000)
@@ -69,18 +79,21 @@ class Telemetry:
             if self.meter_provider is not None:
                 self.meter_provider.force_flush(millis)
 
-        return _bounded("flush telemetry", flush, bound)
+        done = _bounded("flush telemetry", flush, bound)
+        self.gave_up = self.gave_up or not done
+        return done
 
     def shutdown(self) -> bool:
         """Flush and shut down the providers within ``shutdown_timeout_s``; idempotent.
 
         Returns False when the bound passed first (spans still queued are then lost,
-        which is the price of never holding up the end of a run on a dead collector).
+        which is the price of never holding up the end of a run on a dead collector). After
+        a flush that gave up, it does not wait a second time for the same dead collector.
         """
         if not self.enabled or self.closed:
             return True
         self.closed = True
-        bound = self._bound()
+        bound = GAVE_UP_SHUTDOWN_S if self.gave_up else self._bound()
         deadline = time.monotonic() + bound
 
         def stop() -> None:
@@ -188,6 +201,14 @@ def resource_attributes(
     return {k: v for k, v in attrs.items() if v is not None}
 
 
+def signal_on(flag: bool | None, env_var: str) -> bool:
+    """An OTLP signal's switch: the config's when set, else the SDK's environment variable
+    (``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: ``none`` is off)."""
+    if flag is not None:
+        return flag
+    return os.environ.get(env_var, "").strip().lower() != "none"
+
+
 def _signal_endpoint(base: str | None, path: str) -> str | None:
     """The config's endpoint may be a base URL (like ``OTEL_EXPORTER_OTLP_ENDPOINT``) or the
     full signal URL; None leaves the choice to the exporter, which reads the ``OTEL_*``
@@ -244,8 +265,10 @@ def _install(
             readers.append(handle.metric_reader)
             handle.span_exporters.append(handle.memory_exporter)
             continue
+        if name == "otlp" and signal_on(config.otlp_metrics, "OTEL_METRICS_EXPORTER"):
+            readers.append(_otlp_metric_reader(config))
         exporter = _span_exporter(name, config, attrs, attempt, run_dir)
-        if exporter is None:
+        if exporter is None:  # otlp with its traces off, or jaeger_file without a run dir
             continue
         handle.span_exporters.append(exporter)
         tracer_provider.add_span_processor(
@@ -256,8 +279,6 @@ def _install(
                 export_timeout_millis=timeout_ms,
             )
         )
-        if name == "otlp":
-            readers.append(_otlp_metric_reader(config))
     trace.set_tracer_provider(tracer_provider)
     if readers:
         from opentelemetry.sdk.metrics import MeterProvider
@@ -277,10 +298,13 @@ def _span_exporter(
     run_dir: Path | None,
 ) -> Any:
     if name == "otlp":
+        if not signal_on(config.otlp_traces, "OTEL_TRACES_EXPORTER"):
+            return None
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         return OTLPSpanExporter(
-            endpoint=_signal_endpoint(config.otlp_endpoint, _TRACES_PATH),
+            endpoint=config.otlp_traces_endpoint
+            or _signal_endpoint(config.otlp_endpoint, _TRACES_PATH),
             timeout=config.export_timeout_s,
         )
     if name == "console":
@@ -313,7 +337,8 @@ def _otlp_metric_reader(config: TelemetryConfig) -> Any:
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
     exporter = OTLPMetricExporter(
-        endpoint=_signal_endpoint(config.otlp_endpoint, _METRICS_PATH),
+        endpoint=config.otlp_metrics_endpoint
+        or _signal_endpoint(config.otlp_endpoint, _METRICS_PATH),
         timeout=config.export_timeout_s,
     )
     return PeriodicExportingMetricReader(

@@ -82,6 +82,7 @@ class SFTController:
         self.calls = StepCalls(self.group, actor_args.loss_fn)
         self._job = None  # the job span (each step span links to it)
         self._trace: StepTrace | None = None  # the trace of the step in flight
+        self._flush_by: float | None = None  # the run's shutdown deadline for telemetry
         self._step_attributes: dict[str, Any] | None = None
         self.model: ControllerModel | None = None
         self.metrics: MetricsLogger | None = None
@@ -104,7 +105,7 @@ class SFTController:
             with attached(_otel_carrier):
                 return self.run()
         finally:
-            telemetry.force_flush()
+            telemetry.force_flush(deadline=self._flush_by)
 
     def run(self) -> dict[str, Any]:
         with traced(JOB_SPAN) as job:
@@ -393,8 +394,14 @@ class SFTController:
     def _close(self, reason: str, error: BaseException | None) -> None:
         """Teardown in order: loaders, logger, checkpoints, telemetry; then run_stopped."""
         quietly("close the loaders", self._close_loaders)
+        # one shutdown deadline for the workers, this process and the driver (the summary
+        # carries it): a dead collector costs the run shutdown_timeout_s once
+        self._flush_by = time.time() + self._flush_bound()
         flush = self.group.flush_telemetry
-        quietly("export the workers' spans", lambda: flush(carrier=inject_carrier()))
+        quietly(
+            "export the workers' spans",
+            lambda: flush(deadline=self._flush_by, carrier=inject_carrier()),
+        )
         if self.metrics is not None:
             quietly("close the metrics logger", self.metrics.close)
         if self.model is not None and self.log is not None:
@@ -417,6 +424,10 @@ class SFTController:
     def _attempt(self) -> int | None:
         return None if self.log is None else self.log.attempt
 
+    def _flush_bound(self) -> float:
+        telemetry = self.config.telemetry
+        return telemetry.shutdown_timeout_s if telemetry is not None else 0.0
+
     def _end_reason(self) -> str:
         if self._stop.is_set():
             return "interrupted"
@@ -434,4 +445,4 @@ class SFTController:
             losses=self._losses,
             checkpoints=self.ckpt.steps(),
             run_dir=self.run_dir,
-        )
+        ) | {"telemetry_flush_by": self._flush_by}

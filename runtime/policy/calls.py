@@ -216,8 +216,10 @@ class WorkerCalls:
     ) -> None:
         self._run("setup_telemetry", config, run_dir, attempt, _otel_carrier=carrier)
 
-    def flush_telemetry(self, *, carrier: dict | None = None) -> list[bool]:
-        return self._run("flush_telemetry", _otel_carrier=carrier)
+    def flush_telemetry(
+        self, *, deadline: float | None = None, carrier: dict | None = None
+    ) -> list[bool]:
+        return self._run("flush_telemetry", deadline=deadline, _otel_carrier=carrier)
 
     def ping(self) -> list[int]:
         return self._run("ping")

@@ -118,10 +118,11 @@ class PolicyWorkerBase(WorkerStateMixin):
         )
         return self._telemetry.enabled
 
-    def flush_telemetry(self, **_: Any) -> bool:
-        """Export buffered spans now: an actor killed later runs no exit hooks."""
+    def flush_telemetry(self, deadline: float | None = None, **_: Any) -> bool:
+        """Export buffered spans now (an actor killed later runs no exit hooks), by the run's
+        shutdown ``deadline`` (unix seconds)."""
         telemetry = getattr(self, "_telemetry", None)
-        return True if telemetry is None else telemetry.force_flush()
+        return True if telemetry is None else telemetry.force_flush(deadline=deadline)
 
     def _attrs(self, phase: StepPhase) -> dict[str, Any]:
         """A step span's attributes: this rank and the step phase the span belongs to."""

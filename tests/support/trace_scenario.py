@@ -84,17 +84,24 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def otlp(args: dict[str, Any]) -> dict[str, Any]:
-    """Export a parent and a child span to the OTLP/HTTP endpoint given."""
+    """Export a parent and a child span (and one metric) to the OTLP/HTTP endpoints given."""
+    from opentelemetry import metrics
+
     from sft_runtime.traces.setup import setup_telemetry
 
+    os.environ.update(args.get("env", {}))
     cfg = TelemetryConfig(
         enabled=True,
         exporters=["otlp", "memory"],
         otlp_endpoint=args.get("endpoint"),
+        otlp_metrics=args.get("otlp_metrics"),
+        otlp_traces_endpoint=args.get("traces_endpoint"),
+        otlp_metrics_endpoint=args.get("metrics_endpoint"),
         export_timeout_s=args.get("export_timeout_s", 2.0),
         shutdown_timeout_s=args.get("shutdown_timeout_s", 2.0),
     )
     tel = setup_telemetry(cfg, role="worker", rank=3, attempt=2)
+    metrics.get_meter("sft_runtime").create_counter("rl.sft_v2.test.count").add(1)
     with traced("parent", attributes={"step": 7, "note": "hello"}) as parent:
         with traced("child", attributes={"valid_tokens": 123}) as child:
             pass

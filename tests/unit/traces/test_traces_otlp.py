@@ -132,3 +132,58 @@ def test_shutdown_gives_up_on_a_provider_that_never_returns():
         assert tel.shutdown() is False
     assert tel.shutdown() is True  # idempotent: already closed
     never.set()
+
+
+def _paths(server: ThreadingHTTPServer) -> set[str]:
+    return {path for path, _, _ in server.requests}
+
+
+def test_traces_and_metrics_each_have_a_switch_and_an_endpoint(run_scenario):
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Receiver) for _ in range(2)]
+    for server in servers:
+        server.requests = []
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
+        both = run_scenario("otlp", {"endpoint": url[0]})  # one base URL: both signals
+        assert both["shutdown_ok"] and _paths(servers[0]) == {"/v1/traces", "/v1/metrics"}
+        servers[0].requests.clear()
+        run_scenario("otlp", {"endpoint": url[0], "otlp_metrics": False})  # a traces-only backend
+        assert _paths(servers[0]) == {"/v1/traces"}
+        servers[0].requests.clear()
+        run_scenario("otlp", {"endpoint": url[0], "env": {"OTEL_METRICS_EXPORTER": "none"}})
+        assert _paths(servers[0]) == {"/v1/traces"}
+        servers[0].requests.clear()
+        split = {"traces_endpoint": f"{url[0]}/t", "metrics_endpoint": f"{url[1]}/m"}
+        run_scenario("otlp", split)  # full signal URLs, one backend each
+        assert _paths(servers[0]) == {"/t"} and _paths(servers[1]) == {"/m"}
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+def test_one_deadline_serves_every_flush_of_a_shutdown():
+    """A flush gets only what is left of the run's shutdown deadline, and once a flush has
+    given up on the collector the final shutdown does not wait for it again."""
+    import time
+
+    from sft_runtime.runtime.config import TelemetryConfig
+    from sft_runtime.traces.setup import Telemetry
+
+    never = threading.Event()
+
+    class Stuck:
+        def force_flush(self, *args, **kwargs):
+            never.wait()
+
+        shutdown = force_flush
+
+    config = TelemetryConfig(enabled=True, exporters=["memory"], shutdown_timeout_s=3600.0)
+    tel = Telemetry(enabled=True, config=config, tracer_provider=Stuck())
+    with pytest.warns(RuntimeWarning, match="within 0.0 s"):
+        assert tel.force_flush(deadline=time.time() - 1) is False  # the deadline has passed
+    assert tel.gave_up
+    with pytest.warns(RuntimeWarning, match="within 0.1 s"):
+        assert tel.shutdown() is False  # not another hour on the same dead collector
+    never.set()
