@@ -26,7 +26,7 @@ from sft_runtime.runtime.data.config import (
 )
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
+from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout
 from sft_runtime.states import StepRules
 from sft_runtime.traces.config import TelemetryConfig
 
@@ -156,14 +156,13 @@ class MasterConfig(BaseModel):
                 f"policy.make_sequence_length_divisible_by ({pad}) when packing"
             )
         world = self.cluster.world_size  # every worker is one data-parallel rank
-        per_rank, rest = divmod(policy.train_global_batch_size, world)
-        if rest or per_rank % policy.train_micro_batch_size:
+        try:
+            check_batch_layout(policy, world)
+        except UserInputError as exc:
             raise ValueError(
-                f"policy.train_global_batch_size ({policy.train_global_batch_size}) must be a "
-                f"multiple of the data-parallel size (cluster.num_nodes x "
-                f"cluster.workers_per_node = {world}) x policy.train_micro_batch_size "
-                f"({policy.train_micro_batch_size})"
-            )
+                f"{exc} (the data-parallel size is cluster.num_nodes x "
+                f"cluster.workers_per_node = {world})"
+            ) from None
         model = policy.model
         if model.kind == "hf":
             if "tokenizer" not in policy.model_fields_set:  # the model's own, by default

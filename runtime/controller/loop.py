@@ -61,6 +61,20 @@ from sft_runtime.traces.step_trace import StepTrace
 
 S = ControllerState
 P = StepPhase
+SEED_STEPS = (
+    "_setup_loaders",
+    "_load_envelopes",
+    "_run_train_step",
+    "_policy_metrics",
+    "_owner_call",
+    "_loader_state_dicts",
+    "_should_save",
+    "_checkpoint_metric",
+    "_save_checkpoint",
+    "_close_loaders",
+)
+"""The private steps the seed API names (DESIGN.md): the methods `run` really calls, so an
+embedding user who reads or overrides one changes the path that runs."""
 
 
 class SFTController:

@@ -21,20 +21,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sft_runtime.runtime.data.packing import PACKING_ALGORITHMS
+from sft_runtime.runtime.data.placement import MAPPERS
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError
 
 TokenizerConfig = TokenizerSpec
 """The ``tokenizer`` section: ``name: byte`` (default) or ``name: huggingface, path: DIR``."""
 
-PackingAlgorithm = Literal[
-    "concatenative",
-    "first_fit_decreasing",
-    "first_fit_shuffle",
-    "modified_first_fit_decreasing",
-    "greedy_knapsack",
-    "balanced_greedy_knapsack",
-]
+PackingAlgorithm = Literal[PACKING_ALGORITHMS]  # a tuple subscript lists its members
 
 
 class _Section(BaseModel):
@@ -47,7 +41,7 @@ class EnergonConfig(_Section):
     num_workers: int = Field(0, ge=0)
     shuffle_buffer_size: int | None = Field(..., ge=1)
     packing_buffer_size: int | None = Field(None, ge=1)
-    topology_mapper: Literal["default"] = "default"  # the placement plan's mappers
+    topology_mapper: Literal[MAPPERS] = "default"  # the placement plan's mappers
 
 
 class TrainDataConfig(_Section):

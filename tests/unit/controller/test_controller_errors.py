@@ -13,7 +13,7 @@ import pytest
 
 from sft_runtime.events import read_log
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
-from sft_runtime.runtime.controller.loop import SFTController
+from sft_runtime.runtime.controller.loop import SEED_STEPS, SFTController
 from sft_runtime.runtime.data.batch import StepEnvelope
 from sft_runtime.runtime.data.placement import build_placement_plan
 from sft_runtime.runtime.launch.setup import SFTV2ActorArgs
@@ -200,18 +200,7 @@ def test_the_loop_runs_the_seed_methods_with_their_seed_signatures(tmp_path):
     class Watched(SFTController):
         pass
 
-    for name in (
-        "_setup_loaders",
-        "_load_envelopes",
-        "_run_train_step",
-        "_policy_metrics",
-        "_owner_call",
-        "_loader_state_dicts",
-        "_should_save",
-        "_checkpoint_metric",
-        "_save_checkpoint",
-        "_close_loaders",
-    ):
+    for name in SEED_STEPS:
 
         def watched(self, *args, _name=name, **kwargs):
             seen.append((_name, kwargs))
@@ -228,19 +217,7 @@ def test_the_loop_runs_the_seed_methods_with_their_seed_signatures(tmp_path):
     state = SFTV2SaveState(0, 0, 0, plan.placement_hash)
     args = SFTV2ActorArgs(StubGroup(), None, {}, plan, state, None)
     Watched(config, args).run()
-    names = {name for name, _ in seen}
-    assert names == {
-        "_setup_loaders",
-        "_load_envelopes",
-        "_run_train_step",
-        "_policy_metrics",
-        "_owner_call",
-        "_loader_state_dicts",
-        "_should_save",
-        "_checkpoint_metric",
-        "_save_checkpoint",
-        "_close_loaders",
-    }
+    assert {name for name, _ in seen} == set(SEED_STEPS)  # each runs, none beside the loop
     should_save = [kw for name, kw in seen if name == "_should_save"]
     assert len(should_save) == 4 and all(set(kw) == {"save_by_timeout"} for kw in should_save)
     saved = CheckpointDir(tmp_path / "run" / "checkpoints").steps()

@@ -6,12 +6,10 @@ import json
 
 import pytest
 
-from sft_runtime.events import CheckpointSaved, EventLog, LoadersReady, RunStarted
 from sft_runtime.runtime.checkpoint.save import state_metric
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.states import ControllerModel, ControllerState, SFTV2SaveState, StepRules
-from tests.support.logbuild import step_event
+from sft_runtime.states import SFTV2SaveState, StepRules
 
 
 def _kinds(rules: StepRules, step: int, timed_out: bool = False) -> tuple[str, ...]:
@@ -36,39 +34,6 @@ def test_disabled_checkpointing_never_saves():
         rules.save_due(SFTV2SaveState(total_steps=s), stopping=True, timed_out=True)
         for s in range(26)
     )
-
-
-def test_timeout_stops_after_exactly_one_save():
-    now = [0.0]
-    model = ControllerModel(
-        StepRules(max_steps=100, save_period=50, deadline=5.0),
-        log=EventLog.in_memory(),
-        clock=lambda: now[0],
-    )
-    model.start(event=RunStarted(placement_hash="p"))
-    model.loaders_ready(event=LoadersReady(owner_ranks=[0], logical_world_size=1, restored=False))
-    saves, step = 0, 0
-    while model.state is ControllerState.loading:
-        if model.halt():
-            break
-        step += 1
-        now[0] = float(step)
-        model.batch_loaded()
-        model.commit(event=step_event(step))
-        if model.state is ControllerState.saving:
-            saves += 1
-            s = model.save_state
-            model.saved(
-                event=CheckpointSaved(
-                    step=s.total_steps,
-                    path="x",
-                    total_steps=s.total_steps,
-                    consumed_samples=s.consumed_samples,
-                    total_valid_tokens=s.total_valid_tokens,
-                )
-            )
-    # steps of 1 s: after step 4 (t=4) another step would end at the deadline (t=5)
-    assert (step, saves, model.state) == (4, 1, ControllerState.closing)
 
 
 def test_metric_tagging_and_unknown_metric_lists_the_known():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import sft_runtime.runtime.sft_v2 as sft_v2
+from sft_runtime.runtime.controller.loop import SEED_STEPS
 from sft_runtime.states import SFTV2SaveState
 
 
@@ -27,9 +28,7 @@ def test_module_offers_the_seed_names():
         "total_step_time": ("rl.sft_v2.step.duration", "s"),
         "valid_tokens_per_second": ("rl.sft_v2.valid_tokens_per_second", "{token}/s"),
     }
-    for name in (
-        "run",
-        "run_with_trace_context",
+    seed_steps = (
         "_setup_loaders",
         "_load_envelopes",
         "_run_train_step",
@@ -40,7 +39,9 @@ def test_module_offers_the_seed_names():
         "_checkpoint_metric",
         "_save_checkpoint",
         "_close_loaders",
-    ):
+    )
+    assert SEED_STEPS == seed_steps  # the loop's list is the specification's
+    for name in ("run", "run_with_trace_context", *seed_steps):
         assert callable(getattr(sft_v2.SFTController, name))
     fields = set(sft_v2.SFTV2ActorArgs.__dataclass_fields__)
     assert fields == {
