@@ -25,6 +25,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     from sft_runtime.runtime.cli import inspect as inspect_cli
 
     inspect_cli.register(sub)
+    from sft_runtime.runtime.cli import diff as diff_cli
     from sft_runtime.runtime.cli import export as export_cli
     from sft_runtime.runtime.cli import trace as trace_cli
     from sft_runtime.runtime.cli import train as train_cli
@@ -32,6 +33,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     train_cli.register(sub)
     trace_cli.register(sub)
     export_cli.register(sub)
+    diff_cli.register(sub)
     if any(arg in _DATA_COMMANDS for arg in argv):
         from sft_runtime.runtime.cli import (
             prepare as prepare_cli,  # pulls in energon and torch: only when asked
