@@ -32,7 +32,6 @@ from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.controller.metrics import (
     SFT_V2_TEED_METRICS,
     check_envelopes,
-    run_summary,
     sample_digest,
     step_attributes,
     step_metrics,
@@ -40,6 +39,7 @@ from sft_runtime.runtime.controller.metrics import (
 )
 from sft_runtime.runtime.controller.metrics_log import MetricsLogger
 from sft_runtime.runtime.controller.step import StepCalls
+from sft_runtime.runtime.controller.teardown import ControllerTeardown
 from sft_runtime.runtime.data.factory import build_colocated_loader
 from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.launch.liveness import check_driver
@@ -77,7 +77,7 @@ SEED_STEPS = (
 embedding user who reads or overrides one changes the path that runs."""
 
 
-class SFTController:
+class SFTController(ControllerTeardown):
     """Drives the policy workers through the machine's states for one attempt of a run."""
 
     def __init__(self, master_config: MasterConfig, actor_args: Any) -> None:
@@ -398,65 +398,9 @@ class SFTController:
     def _fault_after(self, phase: StepPhase, step: int) -> None:
         fault_point(phase.fault_point, step=step, attempt=self._attempt)
 
-    def _close_loaders(self) -> None:
-        try:
-            self.calls.drop_ahead()
-            self.calls.flush_commit()
-        finally:
-            self._owner_call(self.group.close_loaders)
-
-    def _close(self, reason: str, error: BaseException | None) -> None:
-        """Teardown in order: loaders, logger, checkpoints, telemetry; then run_stopped."""
-        quietly("close the loaders", self._close_loaders)
-        # one shutdown deadline for the workers, this process and the driver (the summary
-        # carries it): a dead collector costs the run shutdown_timeout_s once
-        self._flush_by = time.time() + self._flush_bound()
-        flush = self.group.flush_telemetry
-        quietly(
-            "export the workers' spans",
-            lambda: flush(deadline=self._flush_by, carrier=inject_carrier()),
-        )
-        if self.metrics is not None:
-            quietly("close the metrics logger", self.metrics.close)
-        if self.model is not None and self.log is not None:
-            if self.model.state in (S.setup, S.loading):
-                quietly("close the machine", self.model.close)
-            elif self.model.state is S.saving:
-                quietly("close the machine", lambda: self.model.fail(error=error))
-            if self.model.state is S.closing:
-                step = self.model.save_state.total_steps
-                fault_point("closing:before_stop", step=step, attempt=self._attempt)
-                msg = None if error is None else f"{type(error).__name__}: {error}"[:2000]
-                quietly("record run_stopped", lambda: self.model.finish(reason=reason, error=msg))
-        if self.log is not None:
-            self.log.close()
-
     def _check_driver(self) -> None:
         check_driver(self.args.train_cluster)
 
     @property
     def _attempt(self) -> int | None:
         return None if self.log is None else self.log.attempt
-
-    def _flush_bound(self) -> float:
-        telemetry = self.config.telemetry
-        return telemetry.shutdown_timeout_s if telemetry is not None else 0.0
-
-    def _end_reason(self) -> str:
-        if self._stop.is_set():
-            return "interrupted"
-        if self.model.rules.budget_reached(self.model.save_state):
-            return "completed"
-        return "timeout" if self.model.save_by_timeout() else "completed"
-
-    def _summary(self, start_step: int, reason: str) -> dict[str, Any]:
-        return run_summary(
-            self.model.save_state,
-            reason=reason,
-            attempt=self.log.attempt,
-            start_step=start_step,
-            max_steps=self.max_steps,
-            losses=self._losses,
-            checkpoints=self.ckpt.steps(),
-            run_dir=self.run_dir,
-        ) | {"telemetry_flush_by": self._flush_by}

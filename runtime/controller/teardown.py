@@ -1,0 +1,96 @@
+"""`ControllerTeardown`: how a controller ends an attempt, whatever ended it.
+
+Mixed into `runtime.controller.loop.SFTController` (whose run loop calls `_close` from its
+``finally``): the loaders closed after their last commit, the workers' and this process's
+spans flushed against one shutdown deadline, the machine closed and ``run_stopped``
+recorded, then the summary `run` returns. Every cleanup step only warns when it fails
+(`quietly`), so the error that ended the run is the one reported.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sft_runtime.runtime.controller.faults import fault_point
+from sft_runtime.runtime.controller.metrics import run_summary
+from sft_runtime.runtime.errors import quietly
+from sft_runtime.states import ControllerState
+from sft_runtime.traces.context import inject_carrier
+
+S = ControllerState
+
+
+class ControllerTeardown:
+    """The end of an attempt (see the module docstring); uses the controller's state."""
+
+    config: Any
+    group: Any
+    calls: Any
+    model: Any
+    log: Any
+    metrics: Any
+    ckpt: Any
+    run_dir: Any
+    max_steps: int
+    _stop: Any
+    _losses: list[float]
+    _flush_by: float | None
+    _attempt: int | None
+    _owner_call: Any  # the controller's method: a group call joined to the current trace
+
+    def _close_loaders(self) -> None:
+        try:
+            self.calls.drop_ahead()
+            self.calls.flush_commit()
+        finally:
+            self._owner_call(self.group.close_loaders)
+
+    def _close(self, reason: str, error: BaseException | None) -> None:
+        """Teardown in order: loaders, logger, checkpoints, telemetry; then run_stopped."""
+        quietly("close the loaders", self._close_loaders)
+        # one shutdown deadline for the workers, this process and the driver (the summary
+        # carries it): a dead collector costs the run shutdown_timeout_s once
+        self._flush_by = time.time() + self._flush_bound()
+        flush = self.group.flush_telemetry
+        quietly(
+            "export the workers' spans",
+            lambda: flush(deadline=self._flush_by, carrier=inject_carrier()),
+        )
+        if self.metrics is not None:
+            quietly("close the metrics logger", self.metrics.close)
+        if self.model is not None and self.log is not None:
+            if self.model.state in (S.setup, S.loading):
+                quietly("close the machine", self.model.close)
+            elif self.model.state is S.saving:
+                quietly("close the machine", lambda: self.model.fail(error=error))
+            if self.model.state is S.closing:
+                step = self.model.save_state.total_steps
+                fault_point("closing:before_stop", step=step, attempt=self._attempt)
+                msg = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+                quietly("record run_stopped", lambda: self.model.finish(reason=reason, error=msg))
+        if self.log is not None:
+            self.log.close()
+
+    def _flush_bound(self) -> float:
+        telemetry = self.config.telemetry
+        return telemetry.shutdown_timeout_s if telemetry is not None else 0.0
+
+    def _end_reason(self) -> str:
+        if self._stop.is_set():
+            return "interrupted"
+        if self.model.rules.budget_reached(self.model.save_state):
+            return "completed"
+        return "timeout" if self.model.save_by_timeout() else "completed"
+
+    def _summary(self, start_step: int, reason: str) -> dict[str, Any]:
+        return run_summary(
+            self.model.save_state,
+            reason=reason,
+            attempt=self.log.attempt,
+            start_step=start_step,
+            max_steps=self.max_steps,
+            losses=self._losses,
+            checkpoints=self.ckpt.steps(),
+            run_dir=self.run_dir,
+        ) | {"telemetry_flush_by": self._flush_by}
