@@ -30,10 +30,10 @@ warnings.filterwarnings("ignore", message=".*pin_memory.*")
 sys.path.insert(0, ".")
 import torch
 
-from runtime.config import validate_config
-from runtime.data.demo import build_demo_dataset
-from runtime.driver import run_training
-from runtime.policy.trainer import DPTrainer
+from sft_runtime.runtime.config import validate_config
+from sft_runtime.runtime.data.demo import build_demo_dataset
+from sft_runtime.runtime.launch.driver import run_training
+from sft_runtime.runtime.policy.replica import Replica as DPTrainer
 
 work, steps = Path(sys.argv[1]), int(sys.argv[2])
 print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "

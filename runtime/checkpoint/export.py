@@ -8,7 +8,8 @@ cast, say to bfloat16 for serving), ``config.json`` saying that dtype,
 
 Nothing half-written is ever taken for an export: the folder is built under a temporary name,
 fsynced and renamed. A checkpoint that is incomplete, damaged, or not of an HF model is refused
-(`UserInputError`, exit 2) before anything is written.
+(`UserInputError`, exit 2) before anything is written. A sharded (FSDP2) checkpoint is
+consolidated here, in one process, so its export is the same model folder at any world size.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sft_runtime.events.log import fsync_dir
 from sft_runtime.runtime.checkpoint import policy_files
 from sft_runtime.runtime.checkpoint.store import CheckpointDir, fsync_tree
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy.hf_model import own_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,8 +53,8 @@ def export_checkpoint(
     if not (weights / "config.json").is_file():
         raise UserInputError(f"{weights}: no config.json; the checkpoint is incomplete")
     progress(f"reading {weights}")
-    tensors = policy_files.load_weights(str(weights))
-    _check_names(weights, tensors)
+    tensors = policy_files.load_weights(str(weights))  # sharded ones consolidated
+    tensors = _check_names(weights, tensors)
     target = DTYPES[dtype] if dtype else None
     if target is not None:
         tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
@@ -105,9 +107,10 @@ def _require_hf_run(where: Path) -> None:
         )
 
 
-def _check_names(weights: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """The tensors are exactly the model's own (tied duplicates may be left out): built on
-    the meta device from config.json, so no memory is spent on it."""
+def _check_names(weights: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors are exactly the model's own (tied duplicates may be left out, and are, as
+    `save_pretrained` leaves them out): built on the meta device from config.json, so no
+    memory is spent on it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(weights, local_files_only=True)
@@ -122,6 +125,8 @@ def _check_names(weights: Path, tensors: dict[str, torch.Tensor]) -> None:
             f"{weights}: the weights do not match config.json (missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]})"
         )
+    own = set(own_names(model))
+    return {k: v for k, v in tensors.items() if k in own}
 
 
 def _write_config(source: Path, dest: Path, dtype: str | None) -> None:

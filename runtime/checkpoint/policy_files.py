@@ -127,7 +127,12 @@ def save_weights(
 
 
 def load_weights(directory: str) -> dict[str, torch.Tensor]:
-    """The weights `save_weights` wrote (one file, or the shards its index names)."""
+    """The weights `save_weights` wrote (one file, or the shards its index names), or those
+    of a sharded (FSDP2) checkpoint, consolidated."""
+    from sft_runtime.runtime.checkpoint import sharded
+
+    if sharded.is_sharded(directory):
+        return sharded.consolidate(directory)
     index = os.path.join(directory, WEIGHTS_INDEX)
     if os.path.exists(index):
         try:

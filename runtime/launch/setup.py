@@ -17,6 +17,7 @@ from typing import Any
 from sft_runtime.events.errors import EventLogLocked
 from sft_runtime.events.log import LOCK_NAME, acquire_lock, lock_holder
 from sft_runtime.runtime.checkpoint.resume import find_resume_point
+from sft_runtime.runtime.checkpoint.sharded import is_sharded
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
 from sft_runtime.runtime.config import MasterConfig, checkpoint_root
 from sft_runtime.runtime.data.integrity import check_sample_type
@@ -173,6 +174,8 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
     with traced(SETUP_SPANS["resume"]) as span:  # log replay and checkpoint checks
         resume = find_resume_point(run_dir, CheckpointDir(checkpoint_root(config)))
         span.set_attribute("sft.resume.step", resume.step or 0)
+        if resume.step:
+            check_weights_layout(resume.policy_dir / "weights", config.policy.parallel.fsdp)
     with traced(SETUP_SPANS["ray"]):
         ensure_ray(config.cluster)
     restore = None
@@ -229,6 +232,18 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
     except BaseException:
         group.shutdown()
         raise
+
+
+def check_weights_layout(weights: Path, fsdp: bool) -> None:
+    """A sharded checkpoint resumes only sharded, and a whole one only unsharded (an export
+    turns either into a model folder a new run starts from)."""
+    if is_sharded(weights) != fsdp:
+        saved = "sharded (FSDP2)" if is_sharded(weights) else "unsharded"
+        raise UserInputError(
+            f"{weights}: the checkpoint is {saved} but policy.parallel.fsdp={str(fsdp).lower()}; "
+            f"resume with policy.parallel.fsdp={str(not fsdp).lower()}, or export the checkpoint "
+            "and start a new run from it"
+        )
 
 
 def check_model_covers(config: MasterConfig, tokenizer_vocab: int) -> None:

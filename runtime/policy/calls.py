@@ -227,5 +227,8 @@ class WorkerCalls:
     def node_ids(self) -> list[str]:
         return self._run("node_id")
 
+    def local_storage(self) -> list[dict[str, int]]:
+        return self._run("local_storage")
+
     def peak_rss_bytes(self) -> list[int]:
         return self._run("peak_rss_bytes")

@@ -90,6 +90,39 @@ class SchedulerConfig(BaseModel):
         return self
 
 
+class ParallelConfig(BaseModel):
+    """How the model is spread over the data-parallel workers.
+
+    ``fsdp: false`` (the default) keeps a whole replica on every worker. ``fsdp: true``
+    shards parameters, gradients and optimizer state with FSDP2 (each decoder layer and the
+    root ``fully_shard``ed over the workers' mesh), so a model larger than one device fits;
+    ``replicate`` > 1 makes the mesh two-dimensional (replicate x shard, HSDP). The dtypes are
+    FSDP2's `MixedPrecisionPolicy` (null: the parameters' own, float32).
+    """
+
+    model_config = _Strict
+
+    fsdp: bool = False
+    reshard_after_forward: bool = True
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+    reduce_dtype: Literal["float32", "bfloat16"] | None = None
+    activation_checkpointing: bool = False
+    replicate: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if not self.fsdp:
+            needs = [k for k in ("param_dtype", "reduce_dtype") if getattr(self, k) is not None]
+            if self.replicate != 1:
+                needs.append("replicate")
+            if needs:
+                raise ValueError(
+                    f"policy.parallel.{needs[0]} is set but policy.parallel.fsdp is false: "
+                    "set policy.parallel.fsdp=true or remove it"
+                )
+        return self
+
+
 class PolicyConfig(BaseModel):
     """Everything a policy worker needs to build and train its replica."""
 
@@ -104,6 +137,7 @@ class PolicyConfig(BaseModel):
     scheduler: SchedulerConfig = SchedulerConfig()
     make_sequence_length_divisible_by: int = Field(1, ge=1)
     precision: Literal["float32", "bfloat16"] = "float32"
+    parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
@@ -166,6 +200,11 @@ def check_batch_layout(policy: PolicyConfig, dp_size: int) -> int:
             f"policy.train_global_batch_size={policy.train_global_batch_size} must be a "
             f"multiple of data-parallel size {dp_size} x "
             f"policy.train_micro_batch_size={policy.train_micro_batch_size}"
+        )
+    if policy.parallel.replicate > 1 and dp_size % policy.parallel.replicate:
+        raise UserInputError(
+            f"policy.parallel.replicate={policy.parallel.replicate} must divide the "
+            f"data-parallel size {dp_size}"
         )
     return per_rank
 

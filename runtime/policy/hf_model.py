@@ -106,17 +106,19 @@ def hf_logits(
     return out.logits
 
 
+def own_names(model: nn.Module) -> list[str]:
+    """The ``state_dict`` names less tied duplicates: a parameter shared under two names (the
+    LM head that *is* the embedding) keeps its first name only, as `save_pretrained` does."""
+    shared = set(dict(model.named_parameters(remove_duplicate=False))) - set(
+        dict(model.named_parameters())
+    )
+    return [name for name in model.state_dict() if name not in shared]
+
+
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's own ``state_dict`` less tied duplicates (one storage is saved once)."""
-    seen: set[int] = set()
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        state[name] = tensor
-    return state
+    state = model.state_dict()
+    return {name: state[name] for name in own_names(model)}
 
 
 def load_hf_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

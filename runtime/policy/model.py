@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from sft_runtime.runtime.policy.config import ModelConfig
 
@@ -71,6 +72,8 @@ class TinyTransformer(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
+        # policy.parallel.activation_checkpointing: recompute each block in the backward pass
+        self.checkpoint_blocks = False
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -94,7 +97,10 @@ class TinyTransformer(nn.Module):
         mask = attention_mask(segment_ids)
         x = self.drop(self.tok(input_ids) + self.pos(position_ids.clamp(min=0)))
         for block in self.blocks:
-            x = block(x, mask)
+            if self.checkpoint_blocks and self.training:
+                x = checkpoint(block, x, mask, use_reentrant=False)
+            else:
+                x = block(x, mask)
         return self.head(self.ln_f(x))
 
 

@@ -25,10 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sft_runtime.runtime.checkpoint import sharded
 from sft_runtime.runtime.data.batch import SFTBatch
 from sft_runtime.runtime.errors import PeerStepError
+from sft_runtime.runtime.policy import fsdp
 from sft_runtime.runtime.policy.config import PolicyConfig
-from sft_runtime.runtime.policy.hf_model import hf_state_dict, load_hf_state_dict
+from sft_runtime.runtime.policy.hf_model import hf_state_dict, load_hf_state_dict, own_names
 from sft_runtime.runtime.policy.loss import NLLLossFn
 from sft_runtime.runtime.policy.model import build_model, forward_logits
 from sft_runtime.runtime.policy.schedule import lr_at
@@ -58,7 +60,15 @@ class Replica:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # same initial weights on every rank
             self.model = build_model(policy.model).to(device)
-        opt = policy.optimizer
+        if policy.parallel.activation_checkpointing:
+            fsdp.enable_activation_checkpointing(self.model)
+        self.sharded = False
+        self._make_optimizer()
+        self.steps_done = 0
+        self._open: _OpenStep | None = None
+
+    def _make_optimizer(self) -> None:
+        opt = self.policy.optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -67,8 +77,16 @@ class Replica:
             eps=opt.eps,
             weight_decay=opt.weight_decay,
         )
-        self.steps_done = 0
-        self._open: _OpenStep | None = None
+
+    def shard(self, world_size: int) -> None:
+        """FSDP2 over all DP ranks (`runtime.policy.fsdp`); needs the process group, so the
+        worker calls it once it has joined. The optimizer is made anew over the shards."""
+        if self.steps_done or self._open is not None:
+            raise RuntimeError("shard the replica before its first step")
+        mesh = fsdp.build_mesh(self.policy.parallel, world_size, self.device)
+        fsdp.shard_model(self.model, self.policy.parallel, mesh)
+        self.sharded = True
+        self._make_optimizer()
 
     # ----------------------------------------------------------------- step phases
     @property
@@ -102,8 +120,21 @@ class Replica:
         self._open = _OpenStep(loss_fn, local, int(count[0].item()), rng=self._rng_state())
         return {"local_valid_tokens": local, "global_valid_tokens": self._open.global_valid_tokens}
 
-    def train(self, batch: SFTBatch) -> dict[str, Any]:
-        """Forward/backward over the batch in micro-batches, accumulating gradients."""
+    def train(self, batch: SFTBatch, error: Exception | None = None) -> dict[str, Any]:
+        """Forward/backward over the batch in micro-batches, accumulating gradients.
+
+        Sharded, every forward and backward is a collective (parameters are gathered,
+        gradients reduce-scattered), so the ranks keep in step: they agree first that all of
+        them can start (``error``, a failure the caller met before, is raised after that),
+        and a loss function that fails on one rank lets that rank run the rest of its
+        passes with a zero loss before every rank raises, so the step can be aborted and
+        the group trains on.
+        """
+        if self.sharded:
+            failed = error is not None or self._open is None or self._open.trained
+            self._agree(failed, "train_step")
+        if error is not None:
+            raise error
         step = self._require_open("train_step")
         if step.trained:
             raise RuntimeError("train_step called twice in one step")
@@ -111,16 +142,28 @@ class Replica:
         size = self.policy.train_micro_batch_size
         t_all = time.perf_counter()
         batch = batch.to(self.device)  # once, not per micro-batch (no copy on the CPU)
+        loss_error: Exception | None = None
         for start in range(0, batch.num_rows, size):
             mb = batch.rows(start, min(start + size, batch.num_rows))
             t0 = time.perf_counter()
             with self._autocast():
                 logits = forward_logits(self.model, mb.input_ids, mb.position_ids, mb.segment_ids)
-            loss, metrics = step.loss_fn(logits, mb, step.global_valid_tokens)
+            try:
+                loss, metrics = step.loss_fn(logits, mb, step.global_valid_tokens)
+            except Exception as exc:
+                if not self.sharded:
+                    raise
+                loss_error = loss_error or exc
+                loss, metrics = logits.sum() * 0.0, None  # the peers' collectives still match
             loss.backward()
-            metrics["rows"] = float(mb.num_rows)
-            metrics["forward_backward_s"] = time.perf_counter() - t0
-            step.micro_batches.append(metrics)
+            if metrics is not None:
+                metrics["rows"] = float(mb.num_rows)
+                metrics["forward_backward_s"] = time.perf_counter() - t0
+                step.micro_batches.append(metrics)
+        if self.sharded:
+            self._agree(loss_error is not None, "train_step")
+        if loss_error is not None:
+            raise loss_error
         step.micro_batches = _read_metrics(step.micro_batches)  # the step's one host sync
         for metrics in step.micro_batches:
             step.loss_sum += metrics["nll_sum"]
@@ -140,12 +183,15 @@ class Replica:
         step = self._open
         ready = step is not None and step.trained
         t0 = time.perf_counter()
-        grads = [
-            p.grad
-            if ready and p.grad is not None
-            else torch.zeros_like(p, memory_format=torch.contiguous_format)
-            for p in self.params
-        ]
+        if self.sharded:  # gradients were reduce-scattered by the backward passes
+            grads = []
+        else:
+            grads = [
+                p.grad
+                if ready and p.grad is not None
+                else torch.zeros_like(p, memory_format=torch.contiguous_format)
+                for p in self.params
+            ]
         tail = torch.tensor(
             [step.loss_sum if ready else 0.0, 0.0 if ready else 1.0],
             dtype=torch.float32,
@@ -160,7 +206,7 @@ class Replica:
         if peer_not_ready > 0:
             raise PeerStepError("finish_train_step: another data-parallel rank has no trained step")
         offset = 0
-        for p, g in zip(self.params, grads, strict=True):
+        for p, g in zip(self.params if grads else (), grads, strict=True):
             n = g.numel()
             p.grad = flat[offset : offset + n].view_as(p)  # views into the reduced buffer
             offset += n
@@ -202,11 +248,17 @@ class Replica:
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of parameters and buffers as contiguous CPU tensors (safetensors-ready),
         under the model's own names; a tied weight once."""
-        state = hf_state_dict(self.model) if self.is_hf else self.model.state_dict()
+        if self.sharded:
+            state = fsdp.full_state_dict(self.model)  # a collective: every rank calls it
+            state = {k: state[k] for k in own_names(self.model)}
+        else:
+            state = hf_state_dict(self.model) if self.is_hf else self.model.state_dict()
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.is_hf:
+        if self.sharded:
+            fsdp.load_full_state_dict(self.model, tensors)
+        elif self.is_hf:
             load_hf_state_dict(self.model, tensors)
         else:
             self.model.load_state_dict(tensors, strict=True)
@@ -216,18 +268,47 @@ class Replica:
         return self.policy.model.kind == "hf"
 
     def optimizer_state(self) -> dict[str, Any]:
-        """AdamW state plus the schedule's step count; loadable with ``weights_only=True``."""
-        return {
-            "format": TRAINER_STATE_FORMAT,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": {"steps_done": self.steps_done},
-        }
+        """AdamW state plus the schedule's step count; loadable with ``weights_only=True``.
+        Sharded, the whole state is gathered (a collective)."""
+        if self.sharded:
+            optimizer = fsdp.full_optimizer_state(self.model, self.optimizer)
+        else:
+            optimizer = self.optimizer.state_dict()
+        return {**self.trainer_state(), "optimizer": optimizer}
+
+    def trainer_state(self) -> dict[str, Any]:
+        """What the optimizer file holds besides the optimizer: the schedule's position."""
+        return {"format": TRAINER_STATE_FORMAT, "scheduler": {"steps_done": self.steps_done}}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.load_trainer_state(state)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
         if state.get("format") != TRAINER_STATE_FORMAT:
             raise ValueError(f"unknown optimizer checkpoint format {state.get('format')!r}")
-        self.optimizer.load_state_dict(state["optimizer"])
         self.steps_done = int(state["scheduler"]["steps_done"])
+
+    # ----------------------------------------------------------------- sharded files
+    def save_shards(self, weights_path: str, optimizer_path: str | None) -> list[str]:
+        """This rank's shards of weights and optimizer (a collective; see
+        `runtime.checkpoint.sharded`)."""
+        state = fsdp.sharded_state(self.model, self.optimizer if optimizer_path else None)
+        files = sharded.save_shards(weights_path, {"model": state["model"]})
+        if optimizer_path is not None:
+            files += sharded.save_shards(optimizer_path, {"optimizer": state["optimizer"]})
+        return files
+
+    def load_shards(self, weights_path: str, optimizer_path: str | None) -> None:
+        state = fsdp.sharded_state(self.model, self.optimizer if optimizer_path else None)
+        sharded.load_shards(weights_path, {"model": state["model"]})
+        if optimizer_path is not None:
+            sharded.load_shards(optimizer_path, {"optimizer": state["optimizer"]})
+        fsdp.load_sharded_state(self.model, self.optimizer if optimizer_path else None, state)
+
+    def local_storage(self) -> dict[str, int]:
+        """Elements of parameters, gradients and optimizer state this rank holds."""
+        return fsdp.local_storage(self.model, self.optimizer)
 
     # ----------------------------------------------------------------- helpers
     def _require_open(self, phase: str) -> _OpenStep:
@@ -252,6 +333,13 @@ class Replica:
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], self.device)
 
+    def _agree(self, failed: bool, phase: str) -> None:
+        """Every rank learns whether any failed (a collective); a healthy rank whose peer
+        failed raises `PeerStepError`, a failed one goes on to raise its own error."""
+        flags = self._all_reduce(torch.tensor([float(failed)], device=self.device))
+        if not failed and flags[0].item() > 0:
+            raise PeerStepError(f"{phase} failed on another data-parallel rank")
+
     @staticmethod
     def _all_reduce(t: torch.Tensor) -> torch.Tensor:
         if dist.is_initialized():
@@ -260,6 +348,8 @@ class Replica:
 
     def _clip(self) -> float:
         max_norm = self.policy.max_grad_norm
+        if self.sharded:
+            return fsdp.grad_norm(self.params, max_norm)
         if max_norm is None:
             norms = torch.stack([p.grad.detach().norm(2) for p in self.params])
             return float(norms.norm(2).item())

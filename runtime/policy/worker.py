@@ -104,7 +104,9 @@ class PolicyWorkerBase(WorkerStateMixin):
             world_size=self.world_size,
             timeout=timedelta(seconds=self.cluster.dist_timeout_s),
         )
-        return {"rank": self.rank, "backend": backend}
+        if self.policy.parallel.fsdp:
+            self.replica.shard(self.world_size)
+        return {"rank": self.rank, "backend": backend, "sharded": self.replica.sharded}
 
     def setup_telemetry(
         self, config: Any, run_dir: str | None, attempt: int | None = None, **_: Any
@@ -133,6 +135,11 @@ class PolicyWorkerBase(WorkerStateMixin):
 
     def ping(self, *, _otel_carrier: dict | None = None) -> int:
         return self.rank
+
+    def local_storage(self, *, _otel_carrier: dict | None = None) -> dict[str, int]:
+        """Elements of parameters, gradients and optimizer state this rank holds (sharded:
+        its slices) beside the whole model's."""
+        return self.replica.local_storage()
 
     def peak_rss_bytes(self, *, _otel_carrier: dict | None = None) -> int:
         """Peak resident memory of this worker process (Linux reports KiB)."""
@@ -212,11 +219,16 @@ class PolicyWorkerBase(WorkerStateMixin):
 
     def train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """Forward/backward on this rank's active batch (gradient accumulation)."""
-        fault_point("worker:train", step=self.replica.steps_done + 1, rank=self.rank)
+        error: Exception | None = None
+        try:  # sharded, the other ranks must hear of a failure before their forward
+            fault_point("worker:train", step=self.replica.steps_done + 1, rank=self.rank)
+            batch = self._require_loader().active_batch
+        except Exception as exc:  # noqa: BLE001 - raised by `train` after the ranks agree
+            error, batch = exc, None
         with traced(
             "rl.sft_v2.forward_backward", carrier=_otel_carrier, attributes=self._attrs(P.train)
         ):
-            return self.replica.train(self._require_loader().active_batch)
+            return self.replica.train(batch, error)
 
     def finish_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """All-reduce gradients, clip, step AdamW and the LR schedule; the step's metrics."""

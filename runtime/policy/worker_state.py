@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from sft_runtime.runtime.checkpoint import policy_files as ckpt
+from sft_runtime.runtime.checkpoint import sharded
 from sft_runtime.runtime.data.tokenizer import save_tokenizer
+from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.hf_model import write_hf_config
 
 
@@ -42,18 +44,26 @@ class WorkerStateMixin:
         Replicas are bitwise identical, so one copy of each file is written and the big ones
         are spread over the ranks to write in parallel: rank 0 the weights and the tokenizer
         (`save_tokenizer`), rank ``1 % world_size`` the optimizer; every rank its RNG file (default
-        ``<dirname(weights_path)>/rng``).
+        ``<dirname(weights_path)>/rng``). Sharded (FSDP2), every rank writes its own shards of
+        weights and optimizer (`runtime.checkpoint.sharded`): a collective.
         """
         if self.replica.step_open:
             raise RuntimeError(f"rank {self.rank}: cannot save while a train step is open")
         files: list[str] = []
-        if optimizer_path is not None and self.rank == 1 % self.world_size:
+        if self.replica.sharded:  # every rank writes its shards; rank 0 the rest
+            files.extend(self.replica.save_shards(weights_path, optimizer_path))
+            if optimizer_path is not None and self.rank == 0:
+                path = os.path.join(optimizer_path, sharded.TRAINER_STATE)
+                state = {**self.replica.trainer_state(), "is_final_checkpoint": is_final_checkpoint}
+                files.append(ckpt.save_torch(path, state))
+        elif optimizer_path is not None and self.rank == 1 % self.world_size:
             path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
             state = self.replica.optimizer_state()
             state["is_final_checkpoint"] = bool(is_final_checkpoint)
             files.append(ckpt.save_torch(path, state))
         if self.rank == 0:
-            files.extend(ckpt.save_weights(weights_path, self.replica.weights()))
+            if not self.replica.sharded:
+                files.extend(ckpt.save_weights(weights_path, self.replica.weights()))
             if self.replica.is_hf:
                 files.extend(write_hf_config(self.replica.model, weights_path, dtype=torch.float32))
             if tokenizer_path is not None:
@@ -79,10 +89,21 @@ class WorkerStateMixin:
         rng_state = ckpt.load_torch(rng_file, "RNG state") if os.path.isdir(rng_dir) else None
         if rng_state is not None:
             ckpt.restore_rng(rng_state, self.num_threads, rng_file)
-        self.replica.load_weights(ckpt.load_weights(weights_path))
-        if optimizer_path is not None:
-            path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
-            self.replica.load_optimizer_state(ckpt.load_torch(path, "optimizer state"))
+        if self.replica.sharded:
+            self.replica.load_shards(weights_path, optimizer_path)
+            if optimizer_path is not None:
+                path = os.path.join(optimizer_path, sharded.TRAINER_STATE)
+                self.replica.load_trainer_state(ckpt.load_torch(path, "trainer state"))
+        elif sharded.is_sharded(weights_path):
+            raise UserInputError(
+                f"{weights_path}: a sharded checkpoint (policy.parallel.fsdp=true); resume "
+                "with that setting, or export it and start from the export"
+            )
+        else:
+            self.replica.load_weights(ckpt.load_weights(weights_path))
+            if optimizer_path is not None:
+                path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
+                self.replica.load_optimizer_state(ckpt.load_torch(path, "optimizer state"))
         return {"rank": self.rank, "step": self.replica.steps_done, "rng": rng_state is not None}
 
     # ----------------------------------------------------------------- inspection

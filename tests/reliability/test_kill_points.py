@@ -5,7 +5,8 @@ point, the next launch resumes and crashes at the next), then finishes without a
 is compared with the uninterrupted reference: the loss and per-rank sample digests of every
 step, the final weights bit for bit, and `sft-runtime verify` (every re-executed step
 reproduced). The stepping chain runs a second time with read-ahead on
-(``data_plane.max_partitions=2``) against the same reference. Every point is shown to have
+(``data_plane.max_partitions=2``) against the same reference, and the points where a sharded
+(FSDP2) run is most exposed run against the sharded reference. Every point is shown to have
 been hit by what the crashed attempt left in the log and on disk, and the attempt after it
 shows where the lost steps were resumed from.
 """
@@ -18,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from sft_runtime.runtime.checkpoint.sharded import is_sharded
 from sft_runtime.runtime.controller.faults import POINTS
 from tests.support.reliability import (
+    FSDP,
     PREFETCH,
     STEPS,
     Runner,
@@ -67,12 +70,21 @@ SAVING = (
     Kill("saving:after_record", 6, resumed_from=3, last_step=6, checkpoints=(6,)),
     Kill("closing:before_stop", 7, resumed_from=6, last_step=7, checkpoints=(7,)),
 )
+# sharded (FSDP2): a worker lost inside its forward/backward or before its optimizer step
+# (every peer is inside a collective with it), and a kill in the middle of a sharded save
+SHARDED = (
+    Kill("worker:train", 5, rank=1, last_step=4, checkpoints=(3,), aborted=5),
+    Kill("worker:finish", 5, rank=0, resumed_from=3, last_step=4, aborted=5),
+    Kill("saving:after_weights", 6, resumed_from=3, last_step=6, disk="tmp_step_6"),
+    Kill("saving:before_rename", 6, resumed_from=3, last_step=6, disk="tmp_step_6_complete"),
+)
 # chain, resume of the finish, config overrides; the stepping points again with read-ahead on
 # (a batch read ahead when the kill lands is never counted: the resume delivers it again)
 CHAINS = {
     "stepping": (STEPPING, 3, ()),
     "stepping_prefetch": (STEPPING, 3, PREFETCH),
     "saving": (SAVING, 7, ()),
+    "fsdp": (SHARDED, 3, FSDP),
 }
 
 
@@ -120,7 +132,8 @@ def _check_crash(kill: Kill, launch, before: dict, run_dir: Path) -> None:
     if kill.disk.startswith("tmp_step_6"):
         assert (ckpt / "tmp_step_6").is_dir() and not (ckpt / "step_6").exists(), why
         tmp = ckpt / "tmp_step_6"
-        assert (tmp / "policy" / "weights" / "model.safetensors").is_file(), why
+        weights = tmp / "policy" / "weights"
+        assert (weights / "model.safetensors").is_file() or is_sharded(weights), why
         # training_info.json is written by the commit, right before the rename
         assert not (tmp / "training_info.json").exists(), why
         complete = (tmp / "sft_v2_loaders.pt").is_file() and (tmp / "config.yaml").is_file()
@@ -161,8 +174,9 @@ def chains(demo_data, launch_env, tmp_path_factory):
 
 
 @pytest.mark.parametrize("chain", sorted(CHAINS))
-def test_kill_points_then_resume_is_exact(chain, chains, reference):
-    kills, finish_from, _ = CHAINS[chain]
+def test_kill_points_then_resume_is_exact(chain, chains, request):
+    kills, finish_from, overrides = CHAINS[chain]
+    reference = request.getfixturevalue("fsdp_reference" if FSDP == overrides else "reference")
     runner, error = chains[chain]
     for launch in runner.launches:
         print(

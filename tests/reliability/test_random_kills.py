@@ -26,7 +26,15 @@ import pytest
 
 from sft_runtime.events import read_log, records_in_effect
 from sft_runtime.events.log import lock_holder
-from tests.support.reliability import PREFETCH, STEPS, compare, reap, summary_line, tagged_pids
+from tests.support.reliability import (
+    FSDP,
+    PREFETCH,
+    STEPS,
+    compare,
+    reap,
+    summary_line,
+    tagged_pids,
+)
 
 SEED = 7_2024
 KILLS = 3
@@ -82,8 +90,11 @@ def _candidates(covered: int, first: bool) -> list[tuple[str, int | None]]:
     return out
 
 
-@pytest.mark.parametrize("overrides", [(), PREFETCH], ids=["read_ahead_off", "read_ahead_on"])
-def test_random_sigkills_then_resume_is_exact(make_runner, reference, overrides):
+@pytest.mark.parametrize(
+    "overrides", [(), PREFETCH, FSDP], ids=["read_ahead_off", "read_ahead_on", "fsdp"]
+)
+def test_random_sigkills_then_resume_is_exact(make_runner, request, overrides):
+    reference = request.getfixturevalue("fsdp_reference" if overrides == FSDP else "reference")
     rng = random.Random(f"{SEED}:{'/'.join(overrides)}")
     runner = make_runner("random", overrides=overrides)
     log = runner.run_dir / "events.jsonl"

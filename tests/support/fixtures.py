@@ -23,7 +23,15 @@ import orjson
 import pytest
 
 from tests.support import sources
-from tests.support.reliability import STEPS, Reference, Runner, committed, load_weights, reap
+from tests.support.reliability import (
+    FSDP,
+    STEPS,
+    Reference,
+    Runner,
+    committed,
+    load_weights,
+    reap,
+)
 
 SCENARIO = Path(__file__).with_name("trace_scenario.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,11 +220,20 @@ def make_runner(tmp_path, demo_data, launch_env):
 @pytest.fixture(scope="session")
 def reference(ray_session, demo_data, tmp_path_factory) -> Reference:
     """One uninterrupted run of the shared config, made in-process once per session."""
+    return _reference(demo_data, tmp_path_factory.mktemp("reference") / "run")
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(ray_session, demo_data, tmp_path_factory) -> Reference:
+    """The shared config sharded with FSDP2 (``FSDP``), uninterrupted, once per session."""
+    return _reference(demo_data, tmp_path_factory.mktemp("fsdp-reference") / "run", *FSDP)
+
+
+def _reference(demo_data: Path, run_dir: Path, *overrides: str) -> Reference:
     from sft_runtime.runtime.launch.driver import run_training
     from tests.support.small_run import small_config
 
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    summary = run_training(small_config(run_dir, demo_data, STEPS))
+    summary = run_training(small_config(run_dir, demo_data, STEPS, *overrides))
     assert summary["reason"] == "completed" and summary["total_steps"] == STEPS
     ref = Reference(run_dir, STEPS, committed(run_dir), load_weights(run_dir, STEPS))
     assert sorted(ref.committed) == list(range(1, STEPS + 1))
@@ -271,3 +288,29 @@ def tiny_qwen2(tmp_path_factory) -> Path:
     from tests.support.hf_models import hf_model_dir
 
     return hf_model_dir(tmp_path_factory.mktemp("hf") / "tiny-qwen2", family="qwen2")
+
+
+HF_STEPS = 5  # of `hf_reference`: checkpoints at 2, 4 and the final 5
+
+
+def hf_overrides(folder: Path) -> tuple[str, ...]:
+    """The small run's config on a Hugging Face model folder."""
+    return (
+        "policy.model.kind=hf",
+        f"policy.model.hf_path={folder}",
+        "data.max_input_seq_length=128",
+        "policy.optimizer.lr=1e-3",
+        "checkpointing.save_period=2",
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_reference(ray_session, demo_data, tiny_llama, tmp_path_factory) -> Reference:
+    """The tiny Llama fine-tuned on the demo chats, uninterrupted, unsharded, once."""
+    from sft_runtime.runtime.launch.driver import run_training
+    from tests.support.small_run import small_config
+
+    run_dir = tmp_path_factory.mktemp("hf-reference") / "run"
+    summary = run_training(small_config(run_dir, demo_data, HF_STEPS, *hf_overrides(tiny_llama)))
+    assert summary["reason"] == "completed" and summary["total_steps"] == HF_STEPS
+    return Reference(run_dir, HF_STEPS, committed(run_dir), load_weights(run_dir, HF_STEPS))

@@ -28,6 +28,7 @@ from sft_runtime.events import compare_reexecutions, read_log, records_in_effect
 
 BIN = Path(sys.executable).parent / "sft-runtime"
 PREFETCH = ("data_plane.max_partitions=2",)  # read-ahead on: the same run, bit for bit
+FSDP = ("policy.parallel.fsdp=true",)  # sharded: its own reference (sums in another order)
 STEPS = 7  # checkpoints every 3 steps: 3, 6 and the final 7
 TAG_VAR = "SFT_RELIABILITY_TAG"
 LAUNCH_TIMEOUT_S = 300.0
@@ -224,13 +225,14 @@ def committed(run_dir: Path) -> dict[int, tuple[float, list[str]]]:
 
 
 def weights_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step_{step}" / "policy" / "weights" / "model.safetensors"
+    return run_dir / "checkpoints" / f"step_{step}" / "policy" / "weights"
 
 
 def load_weights(run_dir: Path, step: int) -> dict[str, Any]:
-    from safetensors.torch import load_file
+    """The checkpoint's weights, whole (a sharded checkpoint's consolidated)."""
+    from sft_runtime.runtime.checkpoint.policy_files import load_weights as load
 
-    return load_file(str(weights_path(run_dir, step)))
+    return load(str(weights_path(run_dir, step)))
 
 
 @dataclass
@@ -271,7 +273,7 @@ def compare(run_dir: Path, ref: Reference) -> Comparison:
         if digests != ref_digests:
             mismatches.append(f"step {step}: sample digests differ from the reference")
     path = weights_path(run_dir, ref.steps)
-    if not path.is_file():
+    if not path.is_dir():
         mismatches.append(f"{path}: missing")
     else:
         tensors = load_weights(run_dir, ref.steps)

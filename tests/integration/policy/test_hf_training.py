@@ -9,36 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from sft_runtime.runtime.checkpoint import policy_files
 from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.launch.driver import run_training
 from sft_runtime.runtime.policy.hf_model import hf_logits, load_hf_model, load_hf_state_dict
-from tests.support.reliability import Reference, committed, compare
+from tests.support.fixtures import HF_STEPS, hf_overrides
+from tests.support.reliability import committed, compare
 from tests.support.small_run import small_config
 
-STEPS = 5  # checkpoints at 2, 4 and the final 5
-
-
-def hf_overrides(folder: Path) -> tuple[str, ...]:
-    return (
-        "policy.model.kind=hf",
-        f"policy.model.hf_path={folder}",
-        "data.max_input_seq_length=128",
-        "policy.optimizer.lr=1e-3",
-        "checkpointing.save_period=2",
-    )
-
-
-@pytest.fixture(scope="module")
-def hf_reference(ray_session, demo_data, tiny_llama, tmp_path_factory) -> Reference:
-    run_dir = tmp_path_factory.mktemp("hf-reference") / "run"
-    summary = run_training(small_config(run_dir, demo_data, STEPS, *hf_overrides(tiny_llama)))
-    assert summary["reason"] == "completed" and summary["total_steps"] == STEPS
-    weights = policy_files.load_weights(str(_weights(run_dir, STEPS)))
-    return Reference(run_dir, STEPS, committed(run_dir), weights)
+STEPS = HF_STEPS
 
 
 def _weights(run_dir: Path, step: int) -> Path:

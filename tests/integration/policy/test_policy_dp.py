@@ -8,7 +8,6 @@ dead-worker tests reuse those groups, the latter last, since it breaks its group
 
 from __future__ import annotations
 
-import functools
 import time
 
 import pytest
@@ -20,72 +19,10 @@ from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.cluster import PlacementError
 from sft_runtime.runtime.policy.group import PolicyWorkerError, PolicyWorkerGroup
 from sft_runtime.runtime.policy.loss import NLLLossFn
-from sft_runtime.runtime.policy.model import TinyTransformer
-from sft_runtime.runtime.policy.schedule import lr_at
 from tests.support import sources
+from tests.support.policy_steps import factories, one_step, reference_losses
 
 STEPS, SAVE_AT, WORLD = 10, 5, 2
-
-
-def _factories(world: int) -> list:
-    return [
-        functools.partial(
-            sources.SyntheticSource,
-            sources.SEED,
-            rank,
-            world,
-            rows=sources.ROWS_PER_RANK,
-            seq_len=sources.SEQ_LEN,
-            vocab_size=sources.VOCAB,
-        )
-        for rank in range(world)
-    ]
-
-
-def _step(group: PolicyWorkerGroup) -> list[dict]:
-    """One controller-style step: load, begin/train/finish, commit."""
-    group.load_batches()
-    results = group.run_train_step(NLLLossFn())
-    group.commit_batches()
-    return results
-
-
-def _reference_losses(policy, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """A single process trained on the stacked global batches (the ground truth)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = TinyTransformer(policy.model)
-    opt_cfg = policy.optimizer
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=opt_cfg.lr,
-        betas=opt_cfg.betas,
-        eps=opt_cfg.eps,
-        weight_decay=opt_cfg.weight_decay,
-    )
-    fn, losses = NLLLossFn(), []
-    for i in range(steps):
-        batch = sources.global_batch(
-            sources.SEED,
-            WORLD,
-            i,
-            rows=sources.ROWS_PER_RANK,
-            seq_len=sources.SEQ_LEN,
-            vocab_size=sources.VOCAB,
-        )
-        total_tokens, total = fn.valid_tokens(batch), 0.0
-        opt.zero_grad()
-        for s in range(0, batch.num_rows, policy.train_micro_batch_size):
-            mb = batch.rows(s, s + policy.train_micro_batch_size)
-            loss, _ = fn(model(mb.input_ids, mb.position_ids, mb.segment_ids), mb, total_tokens)
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), policy.max_grad_norm)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(i, opt_cfg.lr, policy.scheduler)
-        opt.step()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +31,11 @@ def straight(ray_session, policy_cfg, cluster_cfg, tmp_path_factory):
     ckpt_dir = tmp_path_factory.mktemp("policy_ckpt") / "step_5" / "policy"
     group = PolicyWorkerGroup(policy_cfg, cluster_cfg, seed=0, name="test-straight")
     try:
-        group.setup_loaders(_factories(WORLD))
+        group.setup_loaders(factories(WORLD))
         group.prepare_for_training()
         steps, loader_states = [], None
         for step in range(1, STEPS + 1):
-            steps.append(_step(group))
+            steps.append(one_step(group))
             if step == SAVE_AT:
                 group.save_checkpoint(
                     str(ckpt_dir / "weights"), str(ckpt_dir / "optimizer"), None, False
@@ -131,15 +68,15 @@ def resumed(straight, policy_cfg, cluster_cfg):
         },
     )
     try:
-        group.setup_loaders(_factories(WORLD), straight["loader_states"])
-        steps = [_step(group) for _ in range(STEPS - SAVE_AT)]
+        group.setup_loaders(factories(WORLD), straight["loader_states"])
+        steps = [one_step(group) for _ in range(STEPS - SAVE_AT)]
         yield {"group": group, "steps": steps, "weights": group.get_weights()}
     finally:
         group.shutdown()
 
 
 def test_dp_training_equals_single_process(straight, policy_cfg):
-    ref_losses, ref_weights = _reference_losses(policy_cfg, STEPS)
+    ref_losses, ref_weights = reference_losses(policy_cfg, STEPS, WORLD)
     losses = [s[0]["loss"] for s in straight["steps"]]
     assert losses == pytest.approx(ref_losses, rel=1e-6, abs=0)
     for name, ref in ref_weights.items():

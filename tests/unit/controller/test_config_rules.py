@@ -61,12 +61,22 @@ def test_max_train_steps_is_the_smaller_budget():
         ("policy.model.max_seq_len", "32", "policy.model.max_seq_len"),
         ("sft.max_num_steps", "0", "sft.max_num_steps"),
         ("cluster.num_nodes", "2", "checkpointing.checkpoint_dir"),
+        ("policy.parallel.param_dtype", "bfloat16", "policy.parallel.fsdp is false"),
+        ("policy.parallel.replicate", "2", "policy.parallel.replicate"),
+        ("policy.parallel.reduce_dtype", "float16", "policy.parallel.reduce_dtype"),
     ],
 )
 def test_each_rule_names_its_key(key, value, expected):
     with pytest.raises(UserInputError) as err:
         validate_config(_raw(**{key: value}))
     assert expected in str(err.value)
+
+
+def test_the_replicate_dimension_must_divide_the_data_parallel_size():
+    ok = validate_config(_raw(**{"policy.parallel.fsdp": "true", "policy.parallel.replicate": "2"}))
+    assert ok.policy.parallel.replicate == 2
+    with pytest.raises(UserInputError, match="policy.parallel.replicate=3 must divide"):
+        validate_config(_raw(**{"policy.parallel.fsdp": "true", "policy.parallel.replicate": "3"}))
 
 
 def test_packing_needs_a_length_divisible_by_the_pad_multiple():

@@ -1,0 +1,189 @@
+"""FSDP2 for a replica: shard the model over the data-parallel workers, and what changes then.
+
+`shard_model` applies `fully_shard` to every decoder layer and then to the root, over a
+device mesh of all DP ranks (1-D, or replicate x shard with ``policy.parallel.replicate``),
+as torchtitan composes it. Each rank then keeps only its slice of every parameter, of its
+gradient and (because AdamW's moments are created like the parameters) of the optimizer
+state: a model larger than one device fits.
+
+What the rest of the replica relies on keeps its meaning:
+
+- Gradients are summed over the ranks, not averaged (``gradient_divide_factor = 1``): the
+  loss is already divided by the global number of supervised tokens, exactly as in the
+  unsharded path, whose flat all-reduce sums too.
+- `grad_norm` is the norm of the whole gradient: each rank's shard contributes its squares,
+  DTensor adds them over the mesh. Clipping then scales every shard by the same factor.
+- `full_state_dict` gathers the whole model under its own parameter names (what the
+  inspection calls and the exact-resume tests compare); it is a collective.
+
+Activation checkpointing recomputes each decoder layer in the backward pass (our transformer
+through ``checkpoint_blocks``, a Hugging Face model through its own switch), so parameter
+names never change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sft_runtime.runtime.policy.config import ParallelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of the model, each its own FSDP unit."""
+    blocks = getattr(model, "blocks", None)  # our transformer
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    inner = getattr(model, "model", None)  # Llama, Qwen2, Mistral, Gemma: model.model.layers
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    raise ValueError(
+        f"policy.parallel.fsdp: cannot find the decoder layers of {type(model).__name__} "
+        "(expected model.blocks or model.model.layers)"
+    )
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass."""
+    if hasattr(model, "checkpoint_blocks"):
+        model.checkpoint_blocks = True
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ValueError(
+            f"policy.parallel.activation_checkpointing: {type(model).__name__} offers none"
+        )
+
+
+def build_mesh(parallel: ParallelConfig, world_size: int, device: torch.device) -> Any:
+    """The DP ranks as one shard dimension, or replicate x shard (HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if parallel.replicate > 1:
+        shape = (parallel.replicate, world_size // parallel.replicate)
+        return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+
+
+def shard_model(model: nn.Module, parallel: ParallelConfig, mesh: Any) -> None:
+    """`fully_shard` each decoder layer, then the root (which takes the embeddings, the
+    final norm and the LM head, tied or not); gradients are summed over the ranks."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(
+        param_dtype=DTYPES.get(parallel.param_dtype or ""),
+        reduce_dtype=DTYPES.get(parallel.reduce_dtype or ""),
+    )
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # the last layer's parameters are needed again at once by the backward pass
+        reshard = parallel.reshard_after_forward and i < len(layers) - 1
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=parallel.reshard_after_forward, mp_policy=mp
+    )
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-scaled sum
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def grad_norm(params: list[nn.Parameter], max_norm: float | None) -> float:
+    """The global gradient norm (shards reduced over the mesh); clips when ``max_norm``."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total.item())
+
+
+def _options(**kwargs: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, whole, under the model's own names (a collective)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(full_state_dict=True))
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state, whole, keyed by parameter name (a collective)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options(full_state_dict=True))
+
+
+def load_full_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Whole tensors (from a safetensors file) into the shards (every rank passes them)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, tensors, options=_options(full_state_dict=True, strict=False))
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """This rank's shards: ``{"model": ...}`` and, with an optimizer, ``"optimizer"``."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def load_sharded_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+) -> None:
+    """Put shards read into `sharded_state`'s dict back into the model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None and "optimizer" in state:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def local_storage(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Elements this rank stores (``*_local``) and the whole model's (``*_full``), for
+    parameters, gradients and optimizer state, read from the DTensor shards."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> int:
+        return (t.to_local() if isinstance(t, DTensor) else t).numel()
+
+    params = [p for p in model.parameters()]
+    moments = [
+        v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim
+    ]
+    grads = [p.grad for p in params if p.grad is not None]
+    return {
+        "params_local": sum(local(p) for p in params),
+        "params_full": sum(p.numel() for p in params),
+        "grads_local": sum(local(g) for g in grads),
+        "grads_full": sum(g.numel() for g in grads),
+        "optimizer_local": sum(local(v) for v in moments),
+        "optimizer_full": sum(v.numel() for v in moments),
+    }

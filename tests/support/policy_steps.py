@@ -1,0 +1,75 @@
+"""The policy-group tests' shared pieces: synthetic loaders, one controller-style step, and
+the single-process ground truth both the data-parallel and the FSDP2 groups are held to."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from sft_runtime.runtime.policy.loss import NLLLossFn
+from sft_runtime.runtime.policy.model import TinyTransformer
+from sft_runtime.runtime.policy.schedule import lr_at
+from tests.support import sources
+
+
+def factories(world: int) -> list:
+    return [
+        functools.partial(
+            sources.SyntheticSource,
+            sources.SEED,
+            rank,
+            world,
+            rows=sources.ROWS_PER_RANK,
+            seq_len=sources.SEQ_LEN,
+            vocab_size=sources.VOCAB,
+        )
+        for rank in range(world)
+    ]
+
+
+def one_step(group: Any) -> list[dict]:
+    """One controller-style step: load, begin/train/finish, commit."""
+    group.load_batches()
+    results = group.run_train_step(NLLLossFn())
+    group.commit_batches()
+    return results
+
+
+def reference_losses(policy, steps: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A single process trained on the stacked global batches (the ground truth)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = TinyTransformer(policy.model)
+    opt_cfg = policy.optimizer
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=opt_cfg.lr,
+        betas=opt_cfg.betas,
+        eps=opt_cfg.eps,
+        weight_decay=opt_cfg.weight_decay,
+    )
+    fn, losses = NLLLossFn(), []
+    for i in range(steps):
+        batch = sources.global_batch(
+            sources.SEED,
+            world,
+            i,
+            rows=sources.ROWS_PER_RANK,
+            seq_len=sources.SEQ_LEN,
+            vocab_size=sources.VOCAB,
+        )
+        total_tokens, total = fn.valid_tokens(batch), 0.0
+        opt.zero_grad()
+        for s in range(0, batch.num_rows, policy.train_micro_batch_size):
+            mb = batch.rows(s, s + policy.train_micro_batch_size)
+            loss, _ = fn(model(mb.input_ids, mb.position_ids, mb.segment_ids), mb, total_tokens)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), policy.max_grad_norm)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i, opt_cfg.lr, policy.scheduler)
+        opt.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
