@@ -9,7 +9,9 @@ optimizer or numerics did.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sft_runtime.events.lineage import LogLike, records_in_effect
 
@@ -19,6 +21,7 @@ class StepFacts:
     loss: float
     grad_norm: float
     digests: tuple[str, ...]
+    lr: float | None = None  # the rate the step's update used: a changed schedule shows here first
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,28 @@ class StepDiff:
     @property
     def loss_delta(self) -> float | None:
         return None if self.a is None or self.b is None else self.b.loss - self.a.loss
+
+    @property
+    def differing_ranks(self) -> tuple[int, ...]:
+        """The logical ranks whose sample digests differ (both runs must have the step)."""
+        if self.a is None or self.b is None:
+            return ()
+        a, b = self.a.digests, self.b.digests
+        return tuple(i for i in range(max(len(a), len(b))) if a[i : i + 1] != b[i : i + 1])
+
+    def differences(self) -> list[tuple[str, Any, Any]]:
+        """(what, value in A, value in B) for each fact of the step that is not bitwise equal;
+        a step one run lacks is the single difference ``("step", present?, present?)``."""
+        if self.a is None or self.b is None:
+            return [] if self.a == self.b else [("step", self.a is not None, self.b is not None)]
+        out: list[tuple[str, Any, Any]] = []
+        if self.differing_ranks:
+            out.append(("samples", self.a.digests, self.b.digests))
+        for name in ("loss", "grad_norm", "lr"):
+            a, b = getattr(self.a, name), getattr(self.b, name)
+            if a != b:
+                out.append((name, a, b))
+        return out
 
 
 @dataclass
@@ -53,8 +78,13 @@ class RunDiff:
         return next((s for s in self.common if s.loss_delta != 0.0), None)
 
     @property
+    def first_difference(self) -> StepDiff | None:
+        """The first step where anything differs (samples, loss, grad norm, lr, presence)."""
+        return next((s for s in self.steps if s.a != s.b), None)
+
+    @property
     def identical(self) -> bool:
-        """The same steps, the same samples and bitwise the same losses and grad norms."""
+        """The same steps, the same samples and bitwise the same losses, grad norms and lrs."""
         return all(s.a == s.b for s in self.steps)
 
 
@@ -62,14 +92,18 @@ def step_facts(log: LogLike) -> dict[int, StepFacts]:
     """The committed steps in effect (the last execution of a step that was re-run)."""
     return {
         r.data["step"]: StepFacts(
-            float(r.data["loss"]), float(r.data["grad_norm"]), tuple(r.data["sample_digests"])
+            float(r.data["loss"]),
+            float(r.data["grad_norm"]),
+            tuple(r.data["sample_digests"]),
+            None if r.data.get("lr") is None else float(r.data["lr"]),
         )
         for r in records_in_effect(log)
         if r.type == "step_committed"
     }
 
 
-def diff_runs(a: LogLike, b: LogLike) -> RunDiff:
+def diff_runs(a: LogLike, b: LogLike, *, steps: Iterable[int] | None = None) -> RunDiff:
+    """Every step either run committed, or only ``steps`` (a re-execution's range)."""
     facts_a, facts_b = step_facts(a), step_facts(b)
-    steps = sorted(set(facts_a) | set(facts_b))
-    return RunDiff([StepDiff(n, facts_a.get(n), facts_b.get(n)) for n in steps])
+    chosen = sorted(set(facts_a) | set(facts_b) if steps is None else set(steps))
+    return RunDiff([StepDiff(n, facts_a.get(n), facts_b.get(n)) for n in chosen])

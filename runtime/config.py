@@ -8,6 +8,7 @@ the config of one builder in `runtime/` (policy workers, loaders, checkpoints, l
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import re
 from pathlib import Path
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
 from sft_runtime.runtime.controller.metrics import STEP_METRIC_KEYS
+from sft_runtime.runtime.controller.metrics_log import TENSORBOARD_INSTALL
 from sft_runtime.runtime.data.config import (
     DataConfig,
     LoaderSpec,
@@ -65,7 +67,18 @@ class LoggerConfig(BaseModel):
 
     log_dir: str | None = None  # default: the run directory
     jsonl: bool = True
-    tensorboard: bool = False
+    tensorboard: bool = False  # event files under <log_dir>/tensorboard/ (an optional extra)
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, value: bool) -> bool:
+        # refused here, before Ray starts, rather than found missing in the controller
+        if value and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(
+                f"the tensorboard package is not installed: {TENSORBOARD_INSTALL} "
+                "(or set logger.tensorboard=false)"
+            )
+        return value
 
 
 class CheckpointingConfig(BaseModel):

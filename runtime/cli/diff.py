@@ -2,7 +2,8 @@
 
 Configs come from each run's newest checkpoint (``config.yaml``, what the run trained with);
 steps from the logs (`events.run_diff`). Exit 0 when the runs are identical step for step
-(samples, losses and grad norms bitwise), 1 when they differ, 2 when a run cannot be read.
+(samples, losses, grad norms and learning rates bitwise), 1 when they differ (the first step
+that differs in anything is named, with what differs), 2 when a run cannot be read.
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def _as_json(changed, configs, result) -> dict:
         ],
         "first_sample_difference": first(result.first_sample_difference),
         "first_loss_difference": first(result.first_loss_difference),
+        "first_difference": None
+        if result.first_difference is None
+        else {
+            "step": result.first_difference.step,
+            "what": [d[0] for d in result.first_difference.differences()],
+        },
         "identical": result.identical,
     }
 
@@ -118,4 +125,8 @@ def _print(changed, configs, result) -> None:
             f"first step whose loss differs: {loss.step} "
             f"(by {loss.loss_delta:+.6g}, {rel:.3g} relative)"
         )
+    first = result.first_difference
+    if first is not None:
+        what = ", ".join(f"{name} {a!r} -> {b!r}" for name, a, b in first.differences())
+        print(f"first step that differs in anything: {first.step} ({what})")
     print("identical" if result.identical else "the runs differ")

@@ -21,6 +21,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("events", help="timeline of attempts, steps, aborts and checkpoints")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--timeline", action="store_true", help="one line per record as well")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="also draw loss, lr and tokens/s per step with attempts, resumes, aborts and "
+        "checkpoints marked (needs the plot extra)",
+    )
     p.set_defaults(func=cmd_events)
 
     p = sub.add_parser("replay", help="the save state the log folds to (at step N)")
@@ -54,6 +62,11 @@ def cmd_events(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    if args.plot is not None:  # refused before the log is read
+        from sft_runtime.runtime.cli import plot
+
+        plot.require_matplotlib()
+        plot.check_output(args.plot)
     reader = _reader(args.run_dir)
     hist = history(reader)
     console = Console(width=None if sys.stdout.isatty() else 200)
@@ -102,6 +115,10 @@ def cmd_events(args: argparse.Namespace) -> int:
             print(
                 f"{rec.seq:>8} {_when(rec.time)} a{rec.attempt} {rec.type:<17}{step!s:>8} {extra}"
             )
+    if args.plot is not None:
+        count = len(hist.attempts)
+        title = f"{args.run_dir} ({count} attempt{'' if count == 1 else 's'})"
+        print(f"plot: {plot.write_plot(reader, args.plot, title=title)}")
     return 0
 
 

@@ -34,6 +34,11 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     trace_cli.register(sub)
     export_cli.register(sub)
     diff_cli.register(sub)
+    from sft_runtime.runtime.cli import reproduce as reproduce_cli
+    from sft_runtime.runtime.cli import samples as samples_cli
+
+    samples_cli.register(sub)
+    reproduce_cli.register(sub)
     if any(arg in _DATA_COMMANDS for arg in argv):
         from sft_runtime.runtime.cli import (
             prepare as prepare_cli,  # pulls in energon and torch: only when asked

@@ -161,9 +161,8 @@ class SFTController(ControllerTeardown):
         state = self.args.save_state
         rules = step_rules(self.config, now=time.time())
         self.model = ControllerModel(rules, log=self.log, save_state=state)
-        log_cfg = self.config.logger
-        self.metrics = MetricsLogger(
-            log_cfg.log_dir or self.run_dir, jsonl=log_cfg.jsonl, tensorboard=log_cfg.tensorboard
+        self.metrics = MetricsLogger.for_run(
+            self.config.logger, self.run_dir, first_step=state.total_steps + 1
         )
         self.model.start(
             event=fold.run_started_event(

@@ -1,34 +1,55 @@
-"""Per-step metrics: one JSON line per step in ``<log_dir>/metrics.jsonl`` (and TensorBoard).
+"""Per-step metrics: one JSON line per step in ``<log_dir>/metrics.jsonl``, and TensorBoard.
 
-The event log is the record of truth; this file is for plotting, so it is flushed every
-line but never fsynced.
+The event log is the record of truth; these files are for plotting, so both are flushed
+every step but never fsynced. With ``logger.tensorboard`` on, the same numbers go to event
+files under ``<log_dir>/tensorboard/``: the JSON line ``{"step": N, "train": {"loss": x}}``
+becomes the scalar ``train/loss`` at global step N, so a key means the same in both places.
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
+if TYPE_CHECKING:
+    from sft_runtime.runtime.config import LoggerConfig
+
+TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_INSTALL = "pip install 'sft-runtime[tensorboard]'"
+
 
 class MetricsLogger:
-    def __init__(self, log_dir: Path | str, *, jsonl: bool = True, tensorboard: bool = False):
+    """Writes each step's metrics to the backends ``logger`` turns on; `close` ends them."""
+
+    def __init__(
+        self,
+        log_dir: Path | str,
+        *,
+        jsonl: bool = True,
+        tensorboard: bool = False,
+        first_step: int = 1,
+    ) -> None:
         self.path = Path(log_dir) / "metrics.jsonl"
         self._fh = open(self.path, "ab") if jsonl else None  # noqa: SIM115 - closed in close()
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self._tb = (
+            _summary_writer(Path(log_dir) / TENSORBOARD_DIR, first_step) if tensorboard else None
+        )
 
-                self._tb = SummaryWriter(str(Path(log_dir) / "tensorboard"))
-            except ImportError:
-                warnings.warn(
-                    "logger.tensorboard is on but tensorboard is not installed; "
-                    "metrics go to metrics.jsonl only",
-                    stacklevel=2,
-                )
+    @classmethod
+    def for_run(
+        cls, logger_config: LoggerConfig, run_dir: Path | str, *, first_step: int
+    ) -> MetricsLogger:
+        """The logger of one attempt from the ``logger`` section; ``first_step`` is the step
+        the attempt starts at (a resume from checkpoint K starts at K + 1)."""
+        return cls(
+            logger_config.log_dir or run_dir,
+            jsonl=logger_config.jsonl,
+            tensorboard=logger_config.tensorboard,
+            first_step=first_step,
+        )
 
     def log(self, step: int, metrics: dict[str, Any], *, prefix: str = "train") -> None:
         if self._fh is not None:
@@ -36,8 +57,9 @@ class MetricsLogger:
             self._fh.flush()
         if self._tb is not None:
             for key, value in metrics.items():
-                if isinstance(value, int | float):
+                if _is_scalar(value):
                     self._tb.add_scalar(f"{prefix}/{key}", value, step)
+            self._tb.flush()
 
     def close(self) -> None:
         if self._fh is not None:
@@ -46,6 +68,31 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _summary_writer(directory: Path, first_step: int) -> Any:
+    """A TensorBoard writer, imported only here so runs without it never load tensorboard.
+
+    On a resume (``first_step`` > 1) the writer starts with a purge mark: TensorBoard then
+    hides what earlier attempts wrote from ``first_step`` on, the steps the resume rolled
+    back, as the event log's lineage does. Config validation refuses ``logger.tensorboard``
+    when the package is missing; a worker node without it still trains, with a warning.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warnings.warn(
+            f"logger.tensorboard is on but tensorboard is not installed here "
+            f"({TENSORBOARD_INSTALL}); metrics go to metrics.jsonl only",
+            stacklevel=3,
+        )
+        return None
+    return SummaryWriter(str(directory), purge_step=first_step if first_step > 1 else None)
+
+
+def _is_scalar(value: Any) -> bool:
+    """Numbers TensorBoard can chart: ints and floats, not bools or strings."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:

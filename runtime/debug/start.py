@@ -1,0 +1,94 @@
+"""Where a re-run of step N begins: the newest checkpoint before N that both vouch for.
+
+A checkpoint counts when the log still holds its ``checkpoint_saved`` (not rolled back by a
+later resume) and its directory is on disk, which is the rule a resume follows. Reading only,
+so the run directory is never touched: no lock, no repair of a torn tail, no pruning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sft_runtime.events import read_log, records_in_effect
+from sft_runtime.events.log import LogReader, log_path
+from sft_runtime.events.run_diff import StepFacts, step_facts
+from sft_runtime.runtime.checkpoint.store import CheckpointDir
+from sft_runtime.runtime.errors import UserInputError
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """Steps ``checkpoint + 1 .. until`` are re-run; ``step`` is the one asked about."""
+
+    run_dir: Path
+    step: int
+    until: int
+    checkpoint: int
+    checkpoints: CheckpointDir
+    checkpoint_line: int  # 1-based line of the checkpoint_saved record in effect
+    facts: dict[int, StepFacts]  # every committed step in effect, as the log has it
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.checkpoints.path(self.checkpoint)
+
+    @property
+    def log(self) -> Path:
+        return log_path(self.run_dir)
+
+    @property
+    def steps(self) -> range:
+        return range(self.checkpoint + 1, self.until + 1)
+
+    def reader(self) -> LogReader:
+        return read_log(self.log, validate=True)
+
+
+def open_run_log(run_dir: Path) -> LogReader:
+    """The run's log, read with every payload checked (a damaged line names itself)."""
+    path = log_path(run_dir)
+    if not Path(run_dir).is_dir():
+        raise UserInputError(f"{run_dir}: no such run directory")
+    if not path.is_file():
+        raise UserInputError(f"{path}: no event log (is this a run directory?)")
+    return read_log(path, validate=True)
+
+
+def find_start(
+    run_dir: Path | str,
+    step: int,
+    *,
+    until: int | None = None,
+    checkpoint_dir: Path | str | None = None,
+) -> StartPoint:
+    """The start point of a re-run of steps up to ``until`` (default ``step``); bad input
+    (a step the log does not hold, no checkpoint before ``step``) raises `UserInputError`."""
+    run_dir = Path(run_dir)
+    reader = open_run_log(run_dir)
+    facts = step_facts(reader)
+    saved_at = {
+        rec.data["step"]: rec.line
+        for rec in records_in_effect(reader)
+        if rec.type == "checkpoint_saved"
+    }
+    until = step if until is None else until
+    if step < 1:
+        raise UserInputError(f"--step must be at least 1, got {step}")
+    if until < step:
+        raise UserInputError(f"--to {until} must not be before --step {step}")
+    last = max(facts, default=0)
+    for asked in (step, until):
+        if asked > last:
+            held = f"commits steps 1..{last}" if last else "commits no step"
+            raise UserInputError(f"step {asked} is beyond the log: {reader.path} {held}")
+    checkpoints = CheckpointDir(checkpoint_dir or run_dir / "checkpoints")
+    on_disk = set(checkpoints.steps())
+    usable = sorted(k for k in saved_at if k in on_disk and k < step)
+    if not usable:
+        raise UserInputError(
+            f"no checkpoint before step {step}: the log records checkpoints "
+            f"{sorted(saved_at)} and {checkpoints.root} holds {sorted(on_disk)}"
+        )
+    k = usable[-1]
+    return StartPoint(run_dir, step, until, k, checkpoints, saved_at[k], facts)

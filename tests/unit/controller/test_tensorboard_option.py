@@ -1,0 +1,114 @@
+"""`logger.tensorboard`: refused before Ray when the extra is missing; otherwise every step's
+metrics.jsonl numbers go to TensorBoard under the same keys, and a resume hides the steps
+it rolled back."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sft_runtime.runtime.cli.main import main
+from sft_runtime.runtime.config import apply_override, validate_config
+from sft_runtime.runtime.controller.metrics_log import MetricsLogger, read_metrics
+from sft_runtime.runtime.errors import UserInputError
+from tests.support.small_run import small_raw
+
+INSTALL = "pip install 'sft-runtime[tensorboard]'"
+
+
+@pytest.fixture
+def no_tensorboard(monkeypatch):
+    """The interpreter as it is without the extra: find_spec finds no tensorboard."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name)
+    )
+
+
+def _raw(tensorboard: str) -> dict:
+    raw = small_raw(Path("/tmp/run"), Path("/tmp/data"))
+    apply_override(raw, f"logger.tensorboard={tensorboard}")
+    return raw
+
+
+def test_config_refuses_tensorboard_without_the_package(no_tensorboard):
+    with pytest.raises(UserInputError) as info:
+        validate_config(_raw("true"))
+    assert f"logger.tensorboard: the tensorboard package is not installed: {INSTALL}" in str(
+        info.value
+    )
+    assert validate_config(_raw("false")).logger.tensorboard is False
+
+
+def test_config_accepts_tensorboard_when_installed():
+    assert validate_config(_raw("true")).logger.tensorboard is True
+
+
+def test_train_exits_2_before_ray_without_the_package(
+    no_tensorboard, tmp_path, monkeypatch, capsys
+):
+    import sft_runtime.runtime.launch.driver as driver
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("Ray started although the config should have been refused")
+
+    monkeypatch.setattr(driver, "run_training", must_not_run)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(small_raw(tmp_path / "run", tmp_path / "data")))
+    assert main(["train", str(config), "logger.tensorboard=true"]) == 2
+    err = capsys.readouterr().err
+    assert f"logger.tensorboard: the tensorboard package is not installed: {INSTALL}" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_gets_the_jsonl_keys_and_a_resume_hides_rolled_back_steps(
+    tmp_path, monkeypatch
+):
+    from tensorboard.summary.writer import event_file_writer
+
+    # event files of one second sort by a process-wide counter: start it afresh so the
+    # second writer's file sorts after the first's, as a later attempt's does by its time
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
+    first = MetricsLogger(tmp_path, tensorboard=True)
+    for step in range(1, 6):  # attempt 1 gets to step 5, then crashes
+        first.log(step, {"loss": float(step), "valid_tokens": 10 * step, "note": "x", "ok": True})
+    first.close()
+    second = MetricsLogger(tmp_path, tensorboard=True, first_step=4)  # resumed from step 3
+    for step in range(4, 7):
+        second.log(step, {"loss": step / 10, "valid_tokens": 100 * step})
+    second.close()
+    scalars = _scalars(tmp_path)
+    assert set(scalars) == {"train/loss", "train/valid_tokens"}  # numbers only, jsonl's keys
+    steps, losses = zip(*scalars["train/loss"], strict=True)
+    assert steps == (1, 2, 3, 4, 5, 6)
+    assert losses == pytest.approx((1.0, 2.0, 3.0, 0.4, 0.5, 0.6))  # float32 in the files
+    assert scalars["train/valid_tokens"] == [
+        (1, 10),
+        (2, 20),
+        (3, 30),
+        (4, 400),
+        (5, 500),
+        (6, 600),
+    ]
+    rows = read_metrics(tmp_path / "metrics.jsonl")  # the jsonl keeps both attempts' lines
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 4, 5, 6]
+    assert set(rows[0]["train"]) == {"loss", "valid_tokens", "note", "ok"}
+
+
+def test_tensorboard_off_writes_no_event_files(tmp_path):
+    logger = MetricsLogger(tmp_path)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert not (tmp_path / "tensorboard").exists()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "train": {"loss": 1.0}}]
