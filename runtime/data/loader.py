@@ -24,6 +24,7 @@ from typing import Any
 
 from sft_runtime.runtime.data.batch import SFTBatch, StepEnvelope
 from sft_runtime.runtime.data.config import LoaderSpec
+from sft_runtime.runtime.data.energon_state import energon_position
 from sft_runtime.runtime.data.integrity import (
     DataSetError,
     check_enough_samples,
@@ -240,6 +241,12 @@ class ColocatedLoader:
         if energon_state is not None:
             loader.restore_state_rank(energon_state)
         self._loader, self._iter = loader, None
+        # what each worker process had delivered when this loader started (`energon_position`)
+        self._start_counters = list(getattr(loader, "_worker_sample_counters", ()))
+
+    def _energon_state(self) -> Any:
+        """energon's position, workers that delivered nothing taken at their start."""
+        return energon_position(self._loader, self._start_counters)
 
     def _release(self) -> None:
         """Stop the energon loader: its iterator, worker processes and queues."""
@@ -296,7 +303,7 @@ class ColocatedLoader:
         if self._active is not None:
             raise RuntimeError("a batch is already active: commit() or abort() it first")
         start = time.perf_counter()
-        state_before = self._loader.save_state_rank()
+        state_before = self._energon_state()
         batch = self._next_batch()
         self._state_before_active = state_before
         self._active = batch
@@ -330,7 +337,7 @@ class ColocatedLoader:
         the caller serializes them.
         """
         self._require_loader()
-        state_before = self._loader.save_state_rank()
+        state_before = self._energon_state()
         return state_before, self._next_batch()
 
     def activate_fetched(
@@ -393,4 +400,4 @@ class ColocatedLoader:
     def state_dict(self) -> dict:
         """The state after the last committed batch, with its fingerprint."""
         self._require_loader()
-        return self.state_dict_at(self._loader.save_state_rank())
+        return self.state_dict_at(self._energon_state())

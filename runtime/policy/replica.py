@@ -59,7 +59,11 @@ class Replica:
         self.device = device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # same initial weights on every rank
-            self.model = build_model(policy.model).to(device)
+            self.model = build_model(policy.model)
+        if not policy.parallel.fsdp:
+            self.model.to(device)
+        # sharded, the model waits in host memory: `fully_shard` moves one layer at a time to
+        # the device and keeps only this rank's slice there, so no device ever holds it whole
         if policy.parallel.activation_checkpointing:
             fsdp.enable_activation_checkpointing(self.model)
         self.sharded = False

@@ -73,3 +73,19 @@ def reference_losses(policy, steps: int, world: int) -> tuple[list[float], dict[
         opt.step()
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_tree_equal(a: Any, b: Any) -> None:
+    """Nested dicts, lists and tensors equal bit for bit (optimizer states, weights)."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_tree_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_tree_equal(x, y)
+    else:
+        assert a == b

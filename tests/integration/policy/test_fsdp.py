@@ -21,7 +21,12 @@ from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.group import PolicyWorkerError, PolicyWorkerGroup
 from sft_runtime.runtime.policy.loss import NLLLossFn
 from tests.support import sources
-from tests.support.policy_steps import factories, one_step, reference_losses
+from tests.support.policy_steps import (
+    assert_tree_equal,
+    factories,
+    one_step,
+    reference_losses,
+)
 
 STEPS, SAVE_AT, WORLD = 10, 5, 2
 
@@ -155,27 +160,12 @@ def test_abort_and_a_failing_loss_leave_the_shards_bitwise_unchanged(sharded):
     for b, a in zip(before_w, after_w, strict=True):
         assert sorted(b) == sorted(a) and all(torch.equal(b[k], a[k]) for k in b)
     for b, a in zip(before_o, after_o, strict=True):
-        _assert_tree_equal(b, a)
+        assert_tree_equal(b, a)
     # the aborted batch comes again and trains normally
     assert group.load_batches()[0].source_ids == envelopes[0].source_ids
     results = group.run_train_step(NLLLossFn())
     group.commit_batches()
     assert results[0]["step"] == STEPS + 1 and math.isfinite(results[0]["loss"])
-
-
-def _assert_tree_equal(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_tree_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_tree_equal(x, y)
-    else:
-        assert a == b
 
 
 def test_a_replicate_by_shard_mesh_trains_like_the_ground_truth(

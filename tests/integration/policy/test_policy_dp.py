@@ -20,7 +20,12 @@ from sft_runtime.runtime.policy.cluster import PlacementError
 from sft_runtime.runtime.policy.group import PolicyWorkerError, PolicyWorkerGroup
 from sft_runtime.runtime.policy.loss import NLLLossFn
 from tests.support import sources
-from tests.support.policy_steps import factories, one_step, reference_losses
+from tests.support.policy_steps import (
+    assert_tree_equal,
+    factories,
+    one_step,
+    reference_losses,
+)
 
 STEPS, SAVE_AT, WORLD = 10, 5, 2
 
@@ -128,7 +133,7 @@ def test_abort_leaves_weights_and_optimizer_bitwise_unchanged(straight):
     group.abort_batches()
     after_w, after_o = group.get_weights(), group.get_optimizer_state()
     for b, a in zip(before_w + before_o, after_w + after_o, strict=True):
-        _assert_tree_equal(b, a)
+        assert_tree_equal(b, a)
     # the aborted batch is delivered again and trains normally
     assert group.load_batches()[0].source_ids == envelopes[0].source_ids
     results = group.run_train_step(NLLLossFn())
@@ -160,7 +165,7 @@ def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight
     group.abort_train_step()
     group.abort_batches()
     for b, a in zip(before_w, group.get_weights(), strict=True):
-        _assert_tree_equal(b, a)
+        assert_tree_equal(b, a)
     # step, then the next start queued behind its finish (committing its batch): one wait
     envelopes = group.load_batches()
     group.abort_batches()
@@ -238,18 +243,3 @@ def _eventually(check, tries: int = 100) -> bool:
             return True
         time.sleep(0.1)
     return check()
-
-
-def _assert_tree_equal(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_tree_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_tree_equal(x, y)
-    else:
-        assert a == b
