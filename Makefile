@@ -20,7 +20,7 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 demo: venv
 	$(BIN)/sft-runtime demo

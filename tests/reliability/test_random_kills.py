@@ -11,7 +11,7 @@ committed steps again. Ray starts its workers in sessions of their own, so they 
 process group for a moment; the harness waits for them (ending by pid any that outlive a
 grace period) before the next launch. The lock file stays behind naming a dead process and
 must not block the resume. Then the same command finishes and the run is compared with the
-uninterrupted reference.
+uninterrupted reference. The scenarios (read-ahead off and on, FSDP2) run side by side.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -30,6 +31,7 @@ from tests.support.reliability import (
     FSDP,
     PREFETCH,
     STEPS,
+    Runner,
     compare,
     reap,
     summary_line,
@@ -90,13 +92,12 @@ def _candidates(covered: int, first: bool) -> list[tuple[str, int | None]]:
     return out
 
 
-@pytest.mark.parametrize(
-    "overrides", [(), PREFETCH, FSDP], ids=["read_ahead_off", "read_ahead_on", "fsdp"]
-)
-def test_random_sigkills_then_resume_is_exact(make_runner, request, overrides):
-    reference = request.getfixturevalue("fsdp_reference" if overrides == FSDP else "reference")
+SCENARIOS = {"read_ahead_off": (), "read_ahead_on": PREFETCH, "fsdp": FSDP}
+
+
+def _kill_then_finish(runner, overrides: tuple[str, ...]) -> dict:
+    """KILLS seeded SIGKILLs of the launch's process group, then the same command to the end."""
     rng = random.Random(f"{SEED}:{'/'.join(overrides)}")
-    runner = make_runner("random", overrides=overrides)
     log = runner.run_dir / "events.jsonl"
     kills, notes = 0, []
     for i in range(KILLS):
@@ -125,12 +126,48 @@ def test_random_sigkills_then_resume_is_exact(make_runner, request, overrides):
         lock = runner.run_dir / "events.lock"
         if lock.exists():  # the stale lock: names a pid of the killed launch, and comes free
             holder = lock_holder(lock).get("pid")
-            assert holder is None or holder not in tagged_pids(runner.session_tag)
+            assert holder is None or holder not in tagged_pids(
+                f"{runner.session_tag}:{runner.name}"
+            )
             assert _comes_free(lock), f"{lock} still locked after the killed launch is gone"
     finish = runner.finish()
+    return {"kills": kills, "notes": notes, "finish": finish}
+
+
+@pytest.fixture(scope="module")
+def random_runs(demo_data, launch_env, tmp_path_factory):
+    """Every scenario, side by side (each launch mostly waits for Ray to start)."""
+    ray_tmp, tag = launch_env
+    runners = {
+        name: Runner(
+            tmp_path_factory.mktemp(f"random_{name}"),
+            demo_data,
+            ray_tmp,
+            tag,
+            f"random_{name}",
+            overrides=overrides,
+        )
+        for name, overrides in SCENARIOS.items()
+    }
+    with ThreadPoolExecutor(len(SCENARIOS)) as pool:
+        futures = {n: pool.submit(_kill_then_finish, runners[n], SCENARIOS[n]) for n in SCENARIOS}
+        done = {
+            n: (f.result() if f.exception() is None else f.exception()) for n, f in futures.items()
+        }
+    return {n: (runners[n], done[n]) for n in SCENARIOS}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_random_sigkills_then_resume_is_exact(scenario, random_runs, request):
+    runner, outcome = random_runs[scenario]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    fsdp = SCENARIOS[scenario] == FSDP
+    reference = request.getfixturevalue("fsdp_reference" if fsdp else "reference")
+    kills, notes, finish = outcome["kills"], outcome["notes"], outcome["finish"]
     assert all("already being written" not in launch.output for launch in runner.launches)
     cmp = compare(runner.run_dir, reference)
-    print("\n" + summary_line("random-sigkill", kills, len(finish), cmp))
+    print("\n" + summary_line(f"random-sigkill {scenario}", kills, len(finish), cmp))
     for note in notes:
         print("  " + note)
     assert kills == KILLS
