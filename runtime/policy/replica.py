@@ -12,6 +12,11 @@ The step is split in three so the controller can fan out each phase and trace it
 Until `finish` reaches the optimizer, `abort` drops the gradients and leaves weights,
 optimizer state and step count exactly as they were. Replicas start from the same seed and
 apply the same summed gradients, so they stay bitwise identical.
+
+With ``policy.parallel.fsdp`` (`shard`, `runtime.policy.fsdp`) each rank holds a slice of
+the model instead: `train` becomes a collective too (parameters gathered, gradients
+reduce-scattered, in step with the other ranks), `finish` all-reduces only the loss and the
+ready flags, and checkpoints are every rank's shards (`save_shards`, `load_shards`).
 """
 
 from __future__ import annotations

@@ -126,6 +126,9 @@ def test_examples_demo_yaml_matches_the_demo_config():
     built = demo_config(Path("runs/demo-yaml"), Path("data/demo"), steps=150)
     assert example.model_dump() == built.model_dump()
     load_config(ROOT / "examples" / "multinode.yaml")
+    assert load_config(ROOT / "examples" / "hf.yaml").policy.model.kind == "hf"
+    sharded = load_config(ROOT / "examples" / "fsdp.yaml")
+    assert sharded.policy.parallel.fsdp and sharded.cluster.world_size == 8
 
 
 @pytest.mark.parametrize(
