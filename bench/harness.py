@@ -139,7 +139,14 @@ def runtime_run(raw: dict) -> dict:
         "times": [r.time for r in records],
         "losses": [r.data["loss"] for r in records],
         "load": [r.data["timings"].get("loader_latency_max", 0.0) for r in records],
+        "model_work": [_model_work(r.data["timings"]) for r in records],
     }
+
+
+def _model_work(timings: dict) -> float:
+    """Seconds of a step the plain loop spends too: forward/backward, gradient all-reduce,
+    optimizer (as the worker timed them)."""
+    return sum(timings.get(k, 0.0) for k in ("forward_backward_s", "allreduce_s", "optimizer_s"))
 
 
 def step_time(times: list[float]) -> float:

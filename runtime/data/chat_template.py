@@ -156,7 +156,9 @@ def _assistant_span(
             "preamble"
         )
     before = render(tokenizer, messages[:index], template, add_generation_prompt=True)
-    through = render(tokenizer, messages[: index + 1], template)
+    # the final turn's render is the whole conversation's, already at hand
+    last = index + 1 == len(messages)
+    through = text if last else render(tokenizer, messages[: index + 1], template)
     for prefix in (before, through):
         if not text.startswith(prefix):
             raise ValueError(
