@@ -17,8 +17,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from opentelemetry import trace
-
 from sft_runtime.events import open_log
 from sft_runtime.events.log import next_attempt
 from sft_runtime.runtime.checkpoint.save import Checkpointer
@@ -45,7 +43,7 @@ from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.launch.liveness import check_driver
 from sft_runtime.runtime.policy.calls import Pending
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase, fold
-from sft_runtime.traces.context import attached, inject_carrier, span_ids
+from sft_runtime.traces.context import attached, inject_carrier
 from sft_runtime.traces.metrics import StepInstruments
 from sft_runtime.traces.setup import setup_telemetry
 from sft_runtime.traces.spans import (
@@ -372,27 +370,6 @@ class SFTController(ControllerTeardown):
             self.model.saved(event=write.complete())
         fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
         quietly("prune old checkpoints", self.checkpointer.prune)
-
-    def _abort_step(self, exc: BaseException, now: StepInFlight) -> None:
-        """Undo what the step opened, record `step_aborted`; cleanup failures only warn."""
-        phase = now.failed_phase(exc)
-        quietly("wait for the step's calls", self.calls.settle)
-        policy_open, batch_active = now.policy_open, now.batch_active
-        if self.calls.has_ahead:  # a start sent ahead is undone with this step
-            policy_open = batch_active = True
-            quietly("discard the step started ahead", self.calls.drop_ahead)
-        if policy_open:
-            abort = self.group.abort_train_step
-            quietly("abort the policy step", lambda: abort(carrier=inject_carrier()))
-        if batch_active:
-            quietly("abort the loader batches", lambda: self._owner_call(self.group.abort_batches))
-        span = span_ids(trace.get_current_span())
-        quietly(
-            "record step_aborted",
-            lambda: self.model.fail(
-                error=exc, phase=phase.value, trace_id=span[0], span_id=span[1]
-            ),
-        )
 
     def _fault_after(self, phase: StepPhase, step: int) -> None:
         fault_point(phase.fault_point, step=step, attempt=self._attempt)

@@ -1,4 +1,7 @@
-"""`ControllerTeardown`: how a controller ends an attempt, whatever ended it.
+"""`ControllerTeardown`: how a controller undoes a failed step and ends an attempt.
+
+A failed step (`_abort_step`) is undone in the workers, the start sent ahead with it too, and
+recorded as ``step_aborted``, so the run can go on or resume as if it never began.
 
 Mixed into `runtime.controller.loop.SFTController` (whose run loop calls `_close` from its
 ``finally``): the loaders closed after their last commit, the workers' and this process's
@@ -12,11 +15,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from opentelemetry import trace
+
 from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.controller.metrics import run_summary
 from sft_runtime.runtime.errors import quietly
-from sft_runtime.states import ControllerState
-from sft_runtime.traces.context import inject_carrier
+from sft_runtime.states import ControllerState, StepInFlight
+from sft_runtime.traces.context import inject_carrier, span_ids
 
 S = ControllerState
 
@@ -38,6 +43,27 @@ class ControllerTeardown:
     _flush_by: float | None
     _attempt: int | None
     _owner_call: Any  # the controller's method: a group call joined to the current trace
+
+    def _abort_step(self, exc: BaseException, now: StepInFlight) -> None:
+        """Undo what the step opened, record `step_aborted`; cleanup failures only warn."""
+        phase = now.failed_phase(exc)
+        quietly("wait for the step's calls", self.calls.settle)
+        policy_open, batch_active = now.policy_open, now.batch_active
+        if self.calls.has_ahead:  # a start sent ahead is undone with this step
+            policy_open = batch_active = True
+            quietly("discard the step started ahead", self.calls.drop_ahead)
+        if policy_open:
+            abort = self.group.abort_train_step
+            quietly("abort the policy step", lambda: abort(carrier=inject_carrier()))
+        if batch_active:
+            quietly("abort the loader batches", lambda: self._owner_call(self.group.abort_batches))
+        span = span_ids(trace.get_current_span())
+        quietly(
+            "record step_aborted",
+            lambda: self.model.fail(
+                error=exc, phase=phase.value, trace_id=span[0], span_id=span[1]
+            ),
+        )
 
     def _close_loaders(self) -> None:
         try:

@@ -24,6 +24,7 @@ from typing import Any
 
 from sft_runtime.runtime.data.batch import SFTBatch, StepEnvelope
 from sft_runtime.runtime.data.config import LoaderSpec
+from sft_runtime.runtime.data.energon_release import release_energon_loader
 from sft_runtime.runtime.data.energon_state import energon_position
 from sft_runtime.runtime.data.integrity import (
     DataSetError,
@@ -62,31 +63,6 @@ def check_fingerprint(saved: dict, current: dict) -> None:
             "cannot restore the data loader state, settings changed since it was saved: "
             + "; ".join(changes)
         )
-
-
-def _close_tar_readers(root: Any) -> None:
-    """Close the tar/index file handles of every energon data set under `root`.
-
-    energon leaves them to the garbage collector, and the loader objects sit in reference
-    cycles, so without this every rebuilt loader (each abort) keeps its shards open until the
-    next cyclic collection.
-    """
-    stack, seen = [root], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for reader in getattr(node, "join_readers", None) or ():
-            reader.close()
-            offsets = getattr(reader, "cached_offset_reader", None)
-            cache = getattr(offsets, "tar_index_reader_cache", None) or {}
-            for entry in cache.values():
-                entry.tar_index_reader.close()
-            cache.clear()
-        stack.append(getattr(node, "dataset", None))
-        for item in getattr(node, "datasets", None) or ():
-            stack.append(item[0] if isinstance(item, tuple) else item)
 
 
 class ColocatedLoader:
@@ -252,22 +228,7 @@ class ColocatedLoader:
         """Stop the energon loader: its iterator, worker processes and queues."""
         loader, it = self._loader, self._iter
         self._loader = self._iter = None
-        if it is not None:
-            it.close()
-        if loader is None:
-            return
-        torch_iter = getattr(loader, "_iterator", None)
-        if torch_iter is not None and hasattr(torch_iter, "_shutdown_workers"):
-            torch_iter._shutdown_workers()
-        loader._iterator = None
-        epoch_iter = getattr(loader, "_epoch_iterator", None)
-        if epoch_iter is not None:
-            epoch_iter.close()
-            loader._epoch_iterator = None
-        for queue in [*getattr(loader, "cmd_queues", []), *getattr(loader, "result_queues", [])]:
-            queue.close()
-            queue.join_thread()
-        _close_tar_readers(loader.dataset)
+        release_energon_loader(loader, it)
 
     def close(self) -> None:
         """Release everything; the loader cannot be used afterwards. Safe to call twice."""

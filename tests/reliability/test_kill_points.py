@@ -79,10 +79,11 @@ SHARDED = (
     Kill("saving:before_rename", 6, resumed_from=3, last_step=6, disk="tmp_step_6_complete"),
 )
 # chain, resume of the finish, config overrides; the stepping points again with read-ahead on
-# (a batch read ahead when the kill lands is never counted: the resume delivers it again)
+# (a batch read ahead when the kill lands is never counted: the resume delivers it again),
+# all but the kill before any batch was read
 CHAINS = {
     "stepping": (STEPPING, 3, ()),
-    "stepping_prefetch": (STEPPING, 3, PREFETCH),
+    "stepping_prefetch": (STEPPING[1:], 3, PREFETCH),
     "saving": (SAVING, 7, ()),
     "fsdp": (SHARDED, 3, FSDP),
 }

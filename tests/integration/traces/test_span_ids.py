@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
@@ -60,8 +61,10 @@ def _rng_states(run_dir: Path) -> dict[str, dict]:
 
 def test_runs_share_no_span_id_and_tracing_leaves_training_alone(demo_data, tmp_path):
     a, b, off = tmp_path / "a", tmp_path / "b", tmp_path / "off"
-    for run_dir, tracing in ((a, True), (b, True), (off, False)):
-        assert _train(run_dir, demo_data, tracing=tracing) == 0
+    runs = ((a, True), (b, True), (off, False))
+    with ThreadPoolExecutor(len(runs)) as pool:  # side by side: each mostly waits for Ray
+        codes = list(pool.map(lambda run: _train(run[0], demo_data, tracing=run[1]), runs))
+    assert codes == [0, 0, 0]
     ids_a, ids_b = _span_ids(a), _span_ids(b)
     assert len(ids_a) > 50 and len(ids_b) > 50
     assert not ids_a & ids_b  # the same config twice: not one id in common
