@@ -94,6 +94,7 @@ class CheckpointingConfig(BaseModel):
     ft_keep_latest_k: int | None = Field(None, ge=1)
     checkpoint_must_save_by: str | None = None  # "DD:HH:MM:SS" after the controller starts
     save_optimizer: bool = True
+    background_writes: bool = True  # workers write while the next steps train
 
     @field_validator("metric_name")
     @classmethod

@@ -97,6 +97,7 @@ class Checkpointer:
                 final=final,
                 rng_path=str(policy / "rng"),
                 tokenizer_path=str(policy / "tokenizer"),
+                background=self.config.checkpointing.background_writes,
                 carrier=carrier,
             )
         except BaseException:

@@ -102,18 +102,17 @@ class WorkerCalls:
         final: bool,
         rng_path: str,
         tokenizer_path: str | None = None,
+        background: bool = False,
         carrier: dict | None = None,
     ) -> Pending:
-        """Every worker writes its share of the policy files (rank 0 also the tokenizer)."""
-        return self._submit(
-            "save_checkpoint",
-            weights_path,
-            optimizer_path,
-            tokenizer_path,
-            final,
-            rng_path=rng_path,
-            _otel_carrier=carrier,
-        )
+        """Every worker writes its share of the policy files (rank 0 also the tokenizer).
+        With `background`, the workers take what the files hold and write them while the
+        next calls run; the calls returned end when the files are durable either way."""
+        args = (weights_path, optimizer_path, tokenizer_path, final)
+        if not background:
+            return self._submit("save_checkpoint", *args, rng_path=rng_path, _otel_carrier=carrier)
+        self._submit("begin_checkpoint", *args, rng_path=rng_path, _otel_carrier=carrier)
+        return self._submit("checkpoint_written", weights_path, _otel_carrier=carrier)
 
     def send_load(self, *, carrier: dict | None = None) -> Pending:
         """`load_next_sft_batch` on every owner (the older, phase-by-phase step)."""

@@ -39,9 +39,10 @@ import torch.distributed as dist
 from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.data.batch import BatchSource, StepEnvelope
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy.background_writes import BackgroundWrites
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
-from sft_runtime.runtime.policy.worker_state import WorkerStateMixin
+from sft_runtime.runtime.policy.worker_state import WRITES_GROUP, WorkerStateMixin
 from sft_runtime.states.step import StepPhase
 from sft_runtime.traces.spans import PHASE_ATTR, START_STEP_SPAN, traced
 
@@ -80,6 +81,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         if self.has_gpu:
             torch.cuda.set_device(self.device)
         self.replica = Replica(policy, seed=seed, device=self.device)
+        self._writes = BackgroundWrites()
         self._loader: BatchSource | None = None
         self._batch_step: int | None = None  # replica steps done when the active batch loaded
 
@@ -372,4 +374,4 @@ def _in_phase(exc: Exception, phase: StepPhase) -> Exception:
     return exc
 
 
-PolicyWorker = ray.remote(PolicyWorkerBase)
+PolicyWorker = ray.remote(concurrency_groups={WRITES_GROUP: 1})(PolicyWorkerBase)

@@ -11,13 +11,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import ray
 import torch
 
 from sft_runtime.runtime.checkpoint import policy_files as ckpt
 from sft_runtime.runtime.checkpoint import sharded
 from sft_runtime.runtime.data.tokenizer import save_tokenizer
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy.background_writes import BackgroundWrites, Write
 from sft_runtime.runtime.policy.hf_model import write_hf_config
+
+WRITES_GROUP = "checkpoint_writes"  # the actor's concurrency group of `checkpoint_written`
 
 
 class WorkerStateMixin:
@@ -28,6 +32,7 @@ class WorkerStateMixin:
     policy: Any
     num_threads: int
     replica: Any
+    _writes: BackgroundWrites
 
     def save_checkpoint(
         self,
@@ -47,31 +52,90 @@ class WorkerStateMixin:
         ``<dirname(weights_path)>/rng``). Sharded (FSDP2), every rank writes its own shards of
         weights and optimizer (`runtime.checkpoint.sharded`): a collective.
         """
+        writes = self._checkpoint_writes(
+            weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path, copy=False
+        )
+        files = [path for write in writes for path in write()]
+        return {"rank": self.rank, "files": files, "step": self.replica.steps_done}
+
+    def begin_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        tokenizer_path: str | None = None,
+        is_final_checkpoint: bool = False,
+        *,
+        rng_path: str | None = None,
+        _otel_carrier: dict | None = None,
+    ) -> dict[str, Any]:
+        """`save_checkpoint` with the writing done by a thread while the next steps train
+        (see `runtime.policy.background_writes`); `checkpoint_written(weights_path)` returns
+        what `save_checkpoint` would. A sharded save is a collective in step with the peers:
+        it is written here. Never raises: an error is `checkpoint_written`'s to report."""
+        result = {"rank": self.rank, "step": self.replica.steps_done}
+        try:
+            writes = self._checkpoint_writes(
+                weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path
+            )
+            if self.replica.sharded:  # a collective: written now, in step with the peers
+                files = [path for write in writes for path in write()]
+                writes = [lambda: files]
+        except BaseException as exc:  # noqa: BLE001 - reported by checkpoint_written
+            self._writes.failed(weights_path, exc)
+        else:
+            self._writes.submit(weights_path, writes, result)
+        return result
+
+    @ray.method(concurrency_group=WRITES_GROUP)
+    def checkpoint_written(
+        self, weights_path: str, *, _otel_carrier: dict | None = None
+    ) -> dict[str, Any]:
+        """The files of the checkpoint `begin_checkpoint` handed over, once written and
+        fsynced. Served by a thread of its own, so it does not queue behind the steps."""
+        return self._writes.wait(weights_path)
+
+    def _checkpoint_writes(
+        self,
+        weights_path: str,
+        optimizer_path: str | None,
+        tokenizer_path: str | None,
+        is_final_checkpoint: bool,
+        rng_path: str | None,
+        *,
+        copy: bool = True,
+    ) -> list[Write]:
+        """This rank's share of a checkpoint as writes to run, the values they write taken
+        now (copied when `copy`: the writes may run while the next step changes them)."""
         if self.replica.step_open:
             raise RuntimeError(f"rank {self.rank}: cannot save while a train step is open")
-        files: list[str] = []
+        writes: list[Write] = []
         if self.replica.sharded:  # every rank writes its shards; rank 0 the rest
-            files.extend(self.replica.save_shards(weights_path, optimizer_path))
+            writes.append(lambda: self.replica.save_shards(weights_path, optimizer_path))
             if optimizer_path is not None and self.rank == 0:
                 path = os.path.join(optimizer_path, sharded.TRAINER_STATE)
                 state = {**self.replica.trainer_state(), "is_final_checkpoint": is_final_checkpoint}
-                files.append(ckpt.save_torch(path, state))
+                writes.append(lambda: [ckpt.save_torch(path, state)])
         elif optimizer_path is not None and self.rank == 1 % self.world_size:
-            path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
-            state = self.replica.optimizer_state()
-            state["is_final_checkpoint"] = bool(is_final_checkpoint)
-            files.append(ckpt.save_torch(path, state))
+            opt_path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
+            opt = self.replica.optimizer_state()
+            opt = _to_cpu(opt) if copy else opt
+            opt["is_final_checkpoint"] = bool(is_final_checkpoint)
+            writes.append(lambda: [ckpt.save_torch(opt_path, opt)])
         if self.rank == 0:
             if not self.replica.sharded:
-                files.extend(ckpt.save_weights(weights_path, self.replica.weights()))
+                weights = self.replica.weights()  # a copy already
+                writes.append(lambda: ckpt.save_weights(weights_path, weights))
             if self.replica.is_hf:
-                files.extend(write_hf_config(self.replica.model, weights_path, dtype=torch.float32))
+                model = self.replica.model  # only its config is read
+                writes.append(lambda: write_hf_config(model, weights_path, dtype=torch.float32))
             if tokenizer_path is not None:
-                files.extend(save_tokenizer(self.policy.tokenizer, tokenizer_path))
+                spec = self.policy.tokenizer
+                writes.append(lambda: save_tokenizer(spec, tokenizer_path))
         rng_dir = rng_path or _default_rng_dir(weights_path)
-        path = os.path.join(rng_dir, ckpt.rng_file(self.rank))
-        files.append(ckpt.save_torch(path, ckpt.capture_rng(self.num_threads)))
-        return {"rank": self.rank, "files": files, "step": self.replica.steps_done}
+        rng_file = os.path.join(rng_dir, ckpt.rng_file(self.rank))
+        rng = ckpt.capture_rng(self.num_threads)
+        writes.append(lambda: [ckpt.save_torch(rng_file, rng)])
+        return writes
 
     def load_checkpoint(
         self,

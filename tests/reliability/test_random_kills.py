@@ -11,7 +11,8 @@ committed steps again. Ray starts its workers in sessions of their own, so they 
 process group for a moment; the harness waits for them (ending by pid any that outlive a
 grace period) before the next launch. The lock file stays behind naming a dead process and
 must not block the resume. Then the same command finishes and the run is compared with the
-uninterrupted reference. The scenarios (read-ahead off and on, FSDP2) run side by side.
+uninterrupted reference. The scenarios (read-ahead off with checkpoints written in step,
+read-ahead on, FSDP2) run side by side.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def _candidates(covered: int, first: bool) -> list[tuple[str, int | None]]:
     return out
 
 
-SCENARIOS = {"read_ahead_off": (), "read_ahead_on": PREFETCH, "fsdp": FSDP}
+# read-ahead off with checkpoints written before the next step (the default writes them
+# while it trains: the kill-point chains), read-ahead on, sharded
+IN_STEP_WRITES = ("checkpointing.background_writes=false",)
+SCENARIOS = {"read_ahead_off": IN_STEP_WRITES, "read_ahead_on": PREFETCH, "fsdp": FSDP}
 
 
 def _kill_then_finish(runner, overrides: tuple[str, ...]) -> dict:

@@ -9,11 +9,13 @@ dead-worker tests reuse those groups, the latter last, since it breaks its group
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 from ray.util import placement_group_table
+from safetensors.torch import load_file
 
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.cluster import PlacementError
@@ -180,6 +182,48 @@ def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight
     assert second[0]["envelope"].source_ids != first[0]["envelope"].source_ids
     assert done2[0]["step"] == done1[0]["step"] + 1
     group.commit_batches()
+
+
+def test_a_background_checkpoint_holds_its_step_while_the_next_step_trains(straight, tmp_path):
+    """`checkpointing.background_writes`: the workers copy what the files hold and write them
+    from a thread while the step queued behind the save trains; the files are exactly the
+    synchronous save's, though the weights and AdamW state moved on before they were written."""
+    group = straight["group"]
+    sync, background = tmp_path / "sync", tmp_path / "background"
+    group.save_checkpoint(str(sync / "weights"), str(sync / "optimizer"), None, False)
+    written = group.send_save(
+        str(background / "weights"),
+        str(background / "optimizer"),
+        final=False,
+        rng_path=str(background / "rng"),
+        background=True,
+    )
+    moved_on = one_step(group)  # queued behind begin_checkpoint, not behind the writes
+    results = group.wait(written)
+    assert [r["step"] for r in results] == [moved_on[0]["step"] - 1] * WORLD
+    files = sorted(Path(f).relative_to(background) for r in results for f in r["files"])
+    assert files == sorted(p.relative_to(sync) for p in sync.rglob("*") if p.is_file())
+    for name in files:
+        a, b = sync / name, background / name
+        if name.suffix == ".safetensors":
+            assert_tree_equal(load_file(a), load_file(b))
+        else:
+            assert_tree_equal(torch.load(a, weights_only=False), torch.load(b, weights_only=False))
+    now = group.get_weights()[0]
+    saved = load_file(background / "weights" / "model.safetensors")
+    assert any(not torch.equal(now[k], saved[k]) for k in saved)  # the step did move them
+
+
+def test_a_failed_background_checkpoint_is_reported_by_the_wait(straight, tmp_path):
+    group = straight["group"]
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the weights folder should go")
+    written = group.send_save(
+        str(blocker / "weights"), None, final=False, rng_path=str(tmp_path / "rng"), background=True
+    )
+    with pytest.raises(PolicyWorkerError, match="Not a directory|not a directory"):
+        group.wait(written)
+    one_step(group)  # the group trains on
 
 
 def test_restore_refuses_another_thread_count_and_cleans_up(straight, policy_cfg, cluster_cfg):
