@@ -49,13 +49,6 @@ class BackgroundWrites:
             future = self._results.pop(key)
         return future.result()
 
-    def drain(self) -> None:
-        """Wait for every write handed over so far (errors are for `wait` to report)."""
-        with self._changed:
-            pending = list(self._results.values())
-        for future in pending:
-            future.exception()
-
     def _publish(self, key: str, future: Future) -> None:
         with self._changed:
             self._results[key] = future

@@ -1,0 +1,77 @@
+"""`BackgroundWrites`: the writer thread and the wait that may come before the hand-over.
+
+The two sides are two calls of the worker actor served by different threads, so either can
+come first; the waits here are on events the writes set, never on time.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from sft_runtime.runtime.policy.background_writes import BackgroundWrites
+
+
+def _write(path: Path, text: str):
+    def write() -> list[str]:
+        path.write_text(text)
+        return [str(path)]
+
+    return write
+
+
+def test_the_files_of_every_write_come_back_with_the_result(tmp_path):
+    writes = BackgroundWrites()
+    writes.submit("a", [_write(tmp_path / "w", "x"), _write(tmp_path / "o", "y")], {"rank": 0})
+    assert writes.wait("a") == {"rank": 0, "files": [str(tmp_path / "w"), str(tmp_path / "o")]}
+    assert (tmp_path / "w").read_text() == "x" and (tmp_path / "o").read_text() == "y"
+
+
+def test_a_wait_that_comes_first_gets_the_result_of_the_later_hand_over(tmp_path):
+    writes = BackgroundWrites()
+    got: dict = {}
+    waiter = threading.Thread(target=lambda: got.update(writes.wait("late")))
+    waiter.start()
+    writes.submit("other", [], {"rank": 9})  # another key does not wake it with a wrong result
+    writes.submit("late", [_write(tmp_path / "f", "z")], {"rank": 1})
+    waiter.join()
+    assert got == {"rank": 1, "files": [str(tmp_path / "f")]}
+    assert writes.wait("other") == {"rank": 9, "files": []}
+
+
+def test_a_write_that_fails_raises_in_the_wait_and_the_next_one_still_runs(tmp_path):
+    writes = BackgroundWrites()
+    writes.submit("bad", [_write(tmp_path / "missing" / "f", "x")], {})
+    writes.submit("good", [_write(tmp_path / "g", "y")], {})
+    with pytest.raises(FileNotFoundError):
+        writes.wait("bad")
+    assert writes.wait("good")["files"] == [str(tmp_path / "g")]
+
+
+def test_a_hand_over_that_failed_is_reported_by_the_wait():
+    writes = BackgroundWrites()
+    writes.failed("k", RuntimeError("cannot save while a train step is open"))
+    with pytest.raises(RuntimeError, match="train step is open"):
+        writes.wait("k")
+
+
+def test_writes_run_one_after_another_in_the_order_handed_over(tmp_path):
+    writes, order = BackgroundWrites(), []
+    gate = threading.Event()
+
+    def first() -> list[str]:
+        gate.wait()
+        order.append("first")
+        return []
+
+    def second() -> list[str]:
+        order.append("second")
+        return []
+
+    writes.submit("1", [first], {})
+    writes.submit("2", [second], {})
+    gate.set()
+    writes.wait("2")
+    assert order == ["first", "second"]
