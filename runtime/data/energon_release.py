@@ -35,12 +35,7 @@ def release_energon_loader(loader: Any, iterator: Any) -> None:
 
 
 def close_tar_readers(root: Any) -> None:
-    """Close the tar/index file handles of every energon data set under `root`.
-
-    energon leaves them to the garbage collector, and the loader objects sit in reference
-    cycles, so without this every rebuilt loader (each abort) keeps its shards open until the
-    next cyclic collection.
-    """
+    """Close the tar/index file handles of every energon data set under `root`."""
     stack, seen = [root], set()
     while stack:
         node = stack.pop()

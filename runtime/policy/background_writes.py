@@ -3,8 +3,8 @@
 A worker's share of a checkpoint (weights, AdamW state, RNG, the model's config and
 tokenizer) takes tens of milliseconds to serialise and write even for a small model, and the
 step queued behind the save would wait for all of it. Instead the worker takes a copy of
-what the files hold (the same values the synchronous write would see, so the files are
-bitwise the same) and hands the writing to one writer thread; the controller learns that the
+what the files hold (the values the synchronous write would see, so the files hold the
+same values) and hands the writing to one writer thread; the controller learns that the
 files are durable from a second call (`checkpoint_written`), served by another of the
 actor's threads, so it never queues behind a step. The controller commits the directory
 only after every rank has answered that call, so the checkpoint protocol is unchanged: a

@@ -123,8 +123,11 @@ class WorkerStateMixin:
             writes.append(lambda: [ckpt.save_torch(opt_path, opt)])
         if self.rank == 0:
             if not self.replica.sharded:
-                weights = self.replica.weights()  # a copy already
-                writes.append(lambda: ckpt.save_weights(weights_path, weights))
+                if copy:
+                    weights = self.replica.weights()  # a CPU copy
+                    writes.append(lambda: ckpt.save_weights(weights_path, weights))
+                else:  # copied when written, so no two big copies are held at once
+                    writes.append(lambda: ckpt.save_weights(weights_path, self.replica.weights()))
             if self.replica.is_hf:
                 model = self.replica.model  # only its config is read
                 writes.append(lambda: write_hf_config(model, weights_path, dtype=torch.float32))
