@@ -42,6 +42,12 @@ class SFTBatch:
         return int(self.input_ids.shape[0])
 
     @property
+    def packed(self) -> bool:
+        """Whether a row holds more than one sample (read off the host-side lengths, so
+        asking costs no device sync)."""
+        return any(len(bounds) > 2 for bounds in self.cu_seqlens)
+
+    @property
     def valid_tokens(self) -> int:
         """Supervised target tokens of this batch (the loss normalizer's share)."""
         return int(self.loss_mask.sum().item())

@@ -10,7 +10,9 @@ adds lives in functions around it:
   fill the gap with fresh random weights and only warn.
 - `hf_logits` runs packed rows: a float (batch, 1, T, T) mask that is causal inside each
   sample and closed between samples, and positions that restart per sample, so a packed
-  sample's logits are those of the sample alone (with SDPA and eager attention alike).
+  sample's logits are those of the sample alone (with SDPA and eager attention alike). Rows
+  of one sample each take the usual 2-D padding mask instead: transformers then runs its own
+  causal path (no mask at all when nothing is padded), as cheap as a plain loop's forward.
 - `hf_state_dict` drops tied duplicates (the LM head that *is* the embedding), as
   `save_pretrained` does, and `write_hf_config` adds ``config.json`` and
   ``generation_config.json``, so a checkpoint's weights folder is a model folder.
@@ -94,9 +96,15 @@ def hf_logits(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     segment_ids: torch.Tensor,
+    *,
+    packed: bool = True,
 ) -> torch.Tensor:
-    """Logits (batch, T, vocab) of packed rows, each sample attending to itself only."""
-    mask = packed_attention_mask(segment_ids, torch.float32)
+    """Logits (batch, T, vocab) of packed rows, each sample attending to itself only;
+    ``packed=False`` when no row holds more than one sample (padding only at row ends)."""
+    if packed:
+        mask = packed_attention_mask(segment_ids, torch.float32)
+    else:
+        mask = (segment_ids >= 0).long()
     out = model(
         input_ids=input_ids,
         position_ids=position_ids.clamp(min=0),

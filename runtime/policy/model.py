@@ -10,12 +10,17 @@ the mask, so no NaNs) and its outputs are never used by the loss.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sft_runtime.runtime.policy.config import ModelConfig
+
+if TYPE_CHECKING:
+    from sft_runtime.runtime.data.batch import SFTBatch
 
 
 def attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -114,13 +119,11 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return TinyTransformer(cfg)
 
 
-def forward_logits(
-    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor
-) -> torch.Tensor:
-    """Logits of packed rows for either kind of model (an HF model takes keyword inputs and
-    the mask as a tensor; ours builds its mask from the segment ids)."""
+def forward_logits(model: nn.Module, mb: SFTBatch) -> torch.Tensor:
+    """Logits of a micro-batch's rows for either kind of model (an HF model takes keyword
+    inputs and the mask as a tensor; ours builds its mask from the segment ids)."""
     if isinstance(model, TinyTransformer):
-        return model(input_ids, position_ids, segment_ids)
+        return model(mb.input_ids, mb.position_ids, mb.segment_ids)
     from sft_runtime.runtime.policy.hf_model import hf_logits
 
-    return hf_logits(model, input_ids, position_ids, segment_ids)
+    return hf_logits(model, mb.input_ids, mb.position_ids, mb.segment_ids, packed=mb.packed)

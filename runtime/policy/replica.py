@@ -156,7 +156,7 @@ class Replica:
             mb = batch.rows(start, min(start + size, batch.num_rows))
             t0 = time.perf_counter()
             with self._autocast():
-                logits = forward_logits(self.model, mb.input_ids, mb.position_ids, mb.segment_ids)
+                logits = forward_logits(self.model, mb)
             try:
                 loss, metrics = step.loss_fn(logits, mb, step.global_valid_tokens)
             except Exception as exc:

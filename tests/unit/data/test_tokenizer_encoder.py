@@ -94,6 +94,7 @@ def test_collate_pads_to_multiple_and_marks_boundaries(multiple):
     assert batch.loss_mask[0, :5].tolist() == [0.0, 1.0, 1.0, 0.0, 1.0]
     assert batch.valid_tokens == 3 + 6
     assert batch.loss_mask.dtype == torch.float32
+    assert batch.packed and batch.rows(0, 1).packed and not batch.rows(1, 2).packed
 
 
 def test_encoder_keeps_the_key_and_skips_samples_truncated_to_no_target():

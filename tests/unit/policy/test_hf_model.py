@@ -55,6 +55,28 @@ def test_each_packed_sample_gives_the_logits_of_the_sample_alone(folder, attenti
         assert not torch.allclose(leaky[9:14], packed[9:14], atol=1e-4)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_rows_of_one_sample_take_the_padding_mask_and_give_the_same_logits(folder, attention):
+    model = load_hf_model(str(folder), attn_implementation=attention).eval()
+    lengths, width = [11, 6], 16
+    g = torch.Generator().manual_seed(1)
+    samples = [torch.randint(0, 97, (n,), generator=g) for n in lengths]
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    positions = torch.zeros_like(ids)
+    segments = torch.full_like(ids, -1)
+    for r, sample in enumerate(samples):  # right-padded, as the loader collates
+        n = len(sample)
+        ids[r, :n], positions[r, :n], segments[r, :n] = sample, torch.arange(n), 0
+    with torch.no_grad():
+        plain = hf_logits(model, ids, positions, segments, packed=False)
+        masked = hf_logits(model, ids, positions, segments)
+        for r, sample in enumerate(samples):
+            n = len(sample)
+            alone = model(input_ids=sample.unsqueeze(0)).logits[0]
+            torch.testing.assert_close(plain[r, :n], alone, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(plain[r, :n], masked[r, :n], rtol=1e-5, atol=1e-5)
+
+
 def test_a_bf16_folder_loads_as_float32_master_weights(tmp_path):
     build_model(tmp_path, family="llama", vocab_size=97, dtype=torch.bfloat16)
     stored = policy_files.load_weights(str(tmp_path))
