@@ -220,6 +220,10 @@ def test_tokens_in_spans_keeps_tokens_that_straddle_a_boundary():
     assert hf_chat.tokens_in_spans(offsets, [(4, 7)]) == [False, True, True, True, False]
     assert hf_chat.tokens_in_spans(offsets, [(9, 12), (0, 1)]) == [True] + [False] * 3 + [True]
     assert hf_chat.tokens_in_spans(offsets, [(5, 5)]) == [False] * 5
+    assert hf_chat.tokens_in_spans([], [(0, 3)]) == []
+    # a token with no characters is the point it sits at: inside a span or not
+    assert hf_chat.tokens_in_spans([(0, 2), (2, 2), (2, 4)], [(2, 3)]) == [False, True, True]
+    assert hf_chat.tokens_in_spans([(0, 2), (2, 2), (2, 4)], [(3, 4)]) == [False, False, True]
 
 
 def test_the_loss_mask_follows_the_batch_contract(folder):
