@@ -24,10 +24,11 @@ samples, epochs) move only when the controller commits:
   counting read-ahead. Restoring it into a fresh loader re-delivers the queued batches.
 
 Threads. energon objects are touched by one thread at a time: the background thread while it
-fetches (``_busy``), the caller's thread only for `setup`, `abort`, `state_dict` and `close`,
-which first pause the fetcher and wait until its current fetch ends. `load` and `commit` only
-move Python objects under the lock. energon is not thread-safe even across loaders: while a
-loader iterates it keeps its `WorkerConfig` in a process-global class variable
+fetches (``_busy``), the caller's thread only for `setup`, `abort`, `close` and a
+`state_dict` with nothing queued, which first pause the fetcher and wait until its current
+fetch ends. `load`, `commit` and a `state_dict` with a batch queued only move Python objects
+under the lock. energon is not thread-safe even across loaders: while a loader iterates it
+keeps its `WorkerConfig` in a process-global class variable
 (``WorkerConfig.active_worker_config``, which the task encoder's packing seed also reads), so
 every energon call made here also holds the process-wide `ENERGON_LOCK`. Code that drives a
 plain `ColocatedLoader` in a process where a `PrefetchingLoader` runs must hold it too.
@@ -231,22 +232,36 @@ class PrefetchingLoader:
             self._resume()
 
     def state_dict(self) -> dict:
-        """The state after the last committed batch, ignoring read-ahead (see module doc)."""
+        """The state after the last committed batch, ignoring read-ahead (see module doc).
+
+        With a batch queued its recorded state is the answer, and the fetcher need not stop:
+        a checkpoint does not wait for the batch being read behind it. Only with nothing
+        queued does energon's own position count, read with the fetcher paused."""
         self._require_running()
         if self._active:
             raise RuntimeError("cannot save the loader state while a batch is active")
+        state = self._queued_state()
+        if state is not None:
+            return state
         self._pause()
         try:
-            with self._cond:
-                oldest = self._ready[0] if self._ready else None
-            if oldest is not None:
-                # a copy: energon's restore_state_rank mutates the state it is given, and the
-                # queued one is still needed to rewind if this batch is aborted later
-                return self._inner.state_dict_at(copy.deepcopy(oldest.state_before))
+            state = self._queued_state()  # the fetch we waited for may have queued one
+            if state is not None:
+                return state
             with ENERGON_LOCK:
                 return self._inner.state_dict()
         finally:
             self._resume()
+
+    def _queued_state(self) -> dict | None:
+        with self._cond:
+            oldest = self._ready[0] if self._ready else None
+        if oldest is None:
+            return None
+        # a copy: energon's restore_state_rank mutates the state it is given, and the queued
+        # one is still needed to rewind if this batch is aborted later; only this thread
+        # takes queued batches off, so the oldest stays while it is copied
+        return self._inner.state_dict_at(copy.deepcopy(oldest.state_before))
 
     # -- diagnostics ------------------------------------------------------------------------
 

@@ -325,3 +325,42 @@ def test_depth_bounds_the_batches_held():
         assert inner.position == 3
     finally:
         ahead.close()
+
+
+class _GatedInner(_ScriptedInner):
+    """Its fetch of batch `gate_at` waits until the test opens the gate."""
+
+    def __init__(self, gate_at: int) -> None:
+        super().__init__()
+        self.gate_at = gate_at
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def fetch_ahead(self):
+        if self.position == self.gate_at:
+            self.waiting.set()
+            self.gate.wait()
+        return super().fetch_ahead()
+
+
+def test_a_checkpoint_does_not_wait_for_the_batch_being_read_behind_a_queued_one():
+    inner = _GatedInner(gate_at=2)
+    ahead = PrefetchingLoader(lambda: inner, 3)
+    ahead.setup()
+    saved: list[dict] = []
+    try:
+        assert ahead.load() == 0
+        ahead.commit()
+        inner.waiting.wait()  # batch 1 is queued, the fetch of batch 2 hangs at the gate
+        saver = threading.Thread(target=lambda: saved.append(ahead.state_dict()))
+        saver.start()
+        saver.join(timeout=60)  # returns at once; a wait for the gated fetch would not
+        blocked = saver.is_alive()
+        inner.gate.set()
+        saver.join()
+        assert not blocked, "state_dict waited for the fetch in flight"
+        assert saved == [{"position": 1, "committed": 1}]
+        assert [ahead.load(), ahead.commit(), ahead.load()] == [1, None, 2]
+    finally:
+        inner.gate.set()
+        ahead.close()
