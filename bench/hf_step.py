@@ -12,8 +12,9 @@ beforehand, so it does no loading and the losses must agree. Target: sft-runtime
 The runtime's loader runs as a user with an HF tokenizer runs it: energon with one worker
 process (``data.energon.num_workers=1``), which renders and tokenizes the next batches on the
 free core while the current one trains; the plain loop gets its batches for free, so what
-is left is the runtime's own price (Ray calls, controller, events, spans, checkpoints). A
-second runtime side loads inline (``num_workers=0``, the harness's default elsewhere): the
+is left is the runtime's own price (Ray calls, controller, events, spans, checkpoints) and
+whatever the loading on the other core takes from the step (see below). A second runtime
+side loads inline (``num_workers=0``, the harness's default elsewhere): the
 model's own BPE tokenizer and chat template cost far more per sample than the byte
 tokenizer `overhead.py` runs, and a row shows that share apart.
 
@@ -23,13 +24,19 @@ median of five such ratios. Two more rows split the ratio in two: ``interval_ove
 (the runtime's step interval over the model work inside that same run: forward/backward,
 all-reduce, optimizer, what the plain loop does; no drift between runs moves it) and
 ``model_work_over_plain_step`` (that model work over the plain loop's whole step: how much
-slower the same computation ran inside the runtime, for the inline side too).
+slower the same computation ran inside the runtime, for the inline side too). The last
+explains the second: ``plain_beside_a_busy_core`` is the plain loop while another process
+renders and tokenizes chats flat out on the machine's other core. On these 2-core VMs that
+alone slows the step, so loading on "the free core" is not free here.
 """
 
 from __future__ import annotations
 
 import statistics
+import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 if not __package__:  # run as a script: make `bench` importable
@@ -50,6 +57,21 @@ LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
 SHAPE = {**h.COMPUTE, "packing": False}  # the plain HF forward takes one sample per row
 # Two forwards that differ only in how they mask padding differ by float rounding at most.
 LOSS_TOLERANCE = 1e-4
+BUSY_ROUNDS = 2
+# A loader's work without the loader: the model's tokenizer renders and tokenizes a chat over
+# and over, in a process of its own, until it is killed.
+BUSY_LOOP = """
+import sys
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+chat = [
+    {"role": "user", "content": "Name three rivers of Europe. " * 8},
+    {"role": "assistant", "content": "The Danube, the Rhine and the Loire. " * 8},
+]
+print("looping", flush=True)
+while True:
+    tokenizer.apply_chat_template(chat, tokenize=True)
+"""
 
 
 def model_dir(out: Path) -> Path:
@@ -126,6 +148,13 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
             file=sys.stderr,
             flush=True,
         )
+    contention = []  # the plain loop beside a busy core, against its quiet runs either side
+    for _ in range(BUSY_ROUNDS):
+        with other_core_busy(model):
+            t_busy = plain()
+        after = plain()
+        contention.append(t_busy / ((before + after) / 2))
+        before = after
     ratio, t_ref, t_sub = statistics.median(ratios), statistics.median(ref), statistics.median(sub)
     inline_ratio, t_inline = statistics.median(inline_ratios), statistics.median(inline)
     diff = max(diffs)
@@ -160,6 +189,11 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
             statistics.median(inline_work),
             "x",
         ),
+        h.row(
+            "hf.step.plain_beside_a_busy_core (chats tokenized on the other core)",
+            statistics.median(contention),
+            "x",
+        ),
         h.row("hf.step.tokens_per_s.sft_runtime", tokens / t_sub, "tokens/s", tokens / t_ref),
         h.row(
             "hf.step.overhead_per_step (sft-runtime - plain)", statistics.median(extra) * ms, "ms"
@@ -181,6 +215,21 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
             "note": _loss_note(diff),
         },
     ]
+
+
+@contextmanager
+def other_core_busy(model: Path) -> Iterator[None]:
+    """`BUSY_LOOP` running beside the block, with the model folder's tokenizer."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BUSY_LOOP, str(model)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        if proc.stdout.readline().strip() != "looping":
+            raise RuntimeError(f"the busy loop did not start (exit {proc.poll()})")
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _tokens_per_step(batches: Path) -> float:
