@@ -185,9 +185,9 @@ def tokens_in_spans(offsets: list[tuple[int, int]], spans: list[Span]) -> list[b
     order). A token with no characters counts as the point it sits at. Vectorized, since it
     runs for every sample read: a per-token Python loop took 0.2 ms of the 0.6 ms a
     290-token chat took to tokenize, and grows with the chat."""
-    out = np.zeros(len(offsets), dtype=bool)
     if not offsets:
         return []
+    out = np.zeros(len(offsets), dtype=bool)
     bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     starts = bounds[:, 0]
     ends = np.maximum(bounds[:, 1], starts + 1)
