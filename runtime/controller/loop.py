@@ -41,6 +41,7 @@ from sft_runtime.runtime.controller.teardown import ControllerTeardown
 from sft_runtime.runtime.data.factory import build_colocated_loader
 from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.launch.liveness import check_driver
+from sft_runtime.runtime.launch.niceness import set_niceness
 from sft_runtime.runtime.policy.calls import Pending
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase, fold
 from sft_runtime.traces.context import attached, inject_carrier
@@ -106,7 +107,9 @@ class SFTController(ControllerTeardown):
         self._stop.set()
 
     def run_with_trace_context(self, _otel_carrier: dict | None = None) -> dict[str, Any]:
-        """`run` as a child of the driver's span; exports this process's spans at the end."""
+        """`run` in the controller actor: at the run's niceness (see launch/niceness.py), as a
+        child of the driver's span; exports this process's spans at the end."""
+        set_niceness(self.config.cluster.worker_niceness)
         telemetry = setup_telemetry(
             self.config.telemetry,
             role="controller",

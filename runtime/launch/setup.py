@@ -25,6 +25,7 @@ from sft_runtime.runtime.data.placement import DataLoaderPlacementPlan, build_pl
 from sft_runtime.runtime.data.tokenizer import build_tokenizer
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.launch.liveness import driver_alive, driver_identity
+from sft_runtime.runtime.launch.niceness import embedded_ray_env
 from sft_runtime.runtime.policy.config import ClusterConfig
 from sft_runtime.states import SFTV2SaveState, initial_save_state
 from sft_runtime.traces.spans import SETUP_SPANS, traced
@@ -94,6 +95,7 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
             raise
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.update(embedded_ray_env(cluster.worker_niceness))  # inherited by the raylet
     needed = cluster.world_size * cluster.cpus_per_worker
     ray.init(
         address="local",

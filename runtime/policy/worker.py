@@ -26,7 +26,6 @@ import random
 import resource
 import socket
 import time
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.data.batch import BatchSource, StepEnvelope
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.launch.niceness import set_niceness
 from sft_runtime.runtime.policy.background_writes import BackgroundWrites
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
@@ -67,7 +67,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         self.policy = policy
         self.cluster = cluster
         self.num_threads = cluster.num_threads_per_worker
-        self.niceness = _set_niceness(cluster.worker_niceness)
+        self.niceness = set_niceness(cluster.worker_niceness)
         torch.set_num_threads(self.num_threads)
         try:
             torch.set_num_interop_threads(self.num_threads)
@@ -351,21 +351,6 @@ def _no_cuda_message(gpus_per_node: int) -> str:
         f"CUDA device (CUDA_VISIBLE_DEVICES={visible}, torch {torch.__version__}, CUDA {build}); "
         "install a CUDA build of torch on every node or set cluster.gpus_per_node: 0"
     )
-
-
-def _set_niceness(target: int | None) -> int:
-    """Move this process to ``target`` niceness if allowed; the niceness it ends up with."""
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if target is not None and target != current:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, target)
-        except OSError:
-            warnings.warn(
-                f"cannot change worker niceness from {current} to {target} (no permission); "
-                "set RAY_worker_niceness before ray.init instead",
-                stacklevel=2,
-            )
-    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _in_phase(exc: Exception, phase: StepPhase) -> Exception:
