@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 import pytest
 
+from sft_runtime.runtime.launch.niceness import RAY_NICENESS_ENV
 from tests.support import sources
 from tests.support.reliability import (
     FSDP,
@@ -64,6 +65,9 @@ def ray_session(tmp_path_factory):
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # its workers start at the niceness runs use (Ray's 15 crawls on a busy machine); a run
+    # that wants another value moves its own processes there (test_niceness.py)
+    os.environ.setdefault(RAY_NICENESS_ENV, "0")
     temp_dir = tmp_path_factory.mktemp("ray")
     ray.init(
         address="local",

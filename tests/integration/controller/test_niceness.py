@@ -4,7 +4,8 @@ Ray starts its worker processes at niceness 15: against any process at niceness 
 few percent of a core, so a controller left there stalls the whole run on a busy machine.
 Both ways the runtime moves them are shown for real: an embedded Ray starts its workers at
 the run's niceness, and the controller and the policy workers move themselves to it on a
-cluster that started them elsewhere (the session's Ray).
+cluster that started them elsewhere (the session's Ray, whose workers start at 0: moving up
+to 3 needs no privileges, so the test runs as any user).
 """
 
 from __future__ import annotations
