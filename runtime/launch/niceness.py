@@ -5,8 +5,9 @@ shared node, a data job, two test suites side by side), a process at niceness 15
 percent of a core against one at niceness 0, so a controller or policy worker left there
 makes the whole run crawl, not just slow down. ``cluster.worker_niceness`` (0 by default)
 fixes that twice over: an embedded Ray is started with its workers at that niceness (so
-their start-up imports run at it too), and each controller and policy worker moves itself
-to it in its constructor, which also covers a cluster someone else started.
+their start-up imports run at it too), and each policy worker (in its constructor) and the
+controller (when its run begins) moves itself to it, which also covers a cluster someone
+else started.
 """
 
 from __future__ import annotations
