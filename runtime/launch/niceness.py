@@ -27,9 +27,9 @@ def embedded_ray_env(target: int | None) -> dict[str, str]:
     return {RAY_NICENESS_ENV: str(target)}
 
 
-def set_niceness(target: int | None) -> int:
-    """Move every thread of this process to ``target`` niceness if allowed; the niceness the
-    calling thread ends up with.
+def set_niceness(target: int | None) -> None:
+    """Move every thread of this process to ``target`` niceness if allowed (None: leave
+    them at Ray's).
 
     On Linux a niceness belongs to a thread, and a Ray actor runs its methods on threads
     of its own (a threaded actor, or one with concurrency groups), made before its
@@ -38,9 +38,9 @@ def set_niceness(target: int | None) -> int:
     Lowering a niceness needs privileges: without them the threads stay where they are,
     with a warning that says how to start them lower.
     """
-    current = os.getpriority(os.PRIO_PROCESS, 0)
     if target is None:
-        return current
+        return
+    current = os.getpriority(os.PRIO_PROCESS, 0)
     try:
         for tid in _threads():
             try:
@@ -54,7 +54,6 @@ def set_niceness(target: int | None) -> int:
             f"start Ray with {RAY_NICENESS_ENV}={target} in its environment instead",
             stacklevel=2,
         )
-    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _threads() -> list[int]:

@@ -67,7 +67,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         self.policy = policy
         self.cluster = cluster
         self.num_threads = cluster.num_threads_per_worker
-        self.niceness = set_niceness(cluster.worker_niceness)
+        set_niceness(cluster.worker_niceness)
         torch.set_num_threads(self.num_threads)
         try:
             torch.set_num_interop_threads(self.num_threads)
