@@ -9,9 +9,10 @@ removes.
 `Checkpointer.save` does it in one call. The controller uses the same two halves on their
 own (`begin` sends the workers' writes, `CheckpointWrite.complete` waits and commits) so it
 can queue the next step behind the workers' writes in between: the workers go on training
-while the controller finishes the directory. The loader states come in already taken (the
-controller's `_loader_state_dicts`): they are small, and taking them first means the step
-queued behind the writes can never move a loader before its state is read.
+while the controller finishes the directory. The loader states are the controller's to take
+(`_loader_state_dicts`) and are handed to `complete`: it sends their calls before `begin`,
+and Ray runs an actor's calls in the order they were sent, so each state is read before the
+writes and the step queued behind them, with no round trip between them.
 """
 
 from __future__ import annotations
@@ -69,24 +70,24 @@ class Checkpointer:
         first step."""
         return state_metric(self.config.checkpointing.metric_name, metrics)
 
-    def save(self, state: SFTV2SaveState, **kwargs: Any) -> CheckpointSaved:
+    def save(
+        self, state: SFTV2SaveState, loader_states: list[bytes], **kwargs: Any
+    ) -> CheckpointSaved:
         """Write and commit ``step_<total_steps>``; the `checkpoint_saved` event to record."""
-        return self.begin(state, **kwargs).complete()
+        return self.begin(state, **kwargs).complete(loader_states)
 
     def begin(
         self,
         state: SFTV2SaveState,
         *,
         kinds: tuple[str, ...],
-        loader_states: list[bytes],
         metric: dict[str, float],
         attempt: int | None,
         final: bool,
         carrier: dict | None = None,
     ) -> CheckpointWrite:
         """Open ``tmp_step_<N>`` and send every worker its share of the policy files
-        (weights, optimizer, RNG, tokenizer); ``loader_states`` are the owners' pickled
-        states at this step."""
+        (weights, optimizer, RNG, tokenizer)."""
         tmp = self.store.begin(state.total_steps)
         try:
             policy = tmp / "policy"
@@ -111,7 +112,7 @@ class Checkpointer:
             "attempt": attempt,
             "num_threads_per_worker": self.config.cluster.num_threads_per_worker,
         }
-        return CheckpointWrite(self, state, tmp, files, list(loader_states), info)
+        return CheckpointWrite(self, state, tmp, files, info)
 
     def prune(self) -> list[int]:
         """Apply the retention rules; returns the steps removed."""
@@ -127,23 +128,23 @@ class CheckpointWrite:
     state: SFTV2SaveState
     tmp: Path
     wave: Any  # the workers' writes (`Pending`)
-    loader_states: list[bytes]
     info: dict[str, Any]
     started: float = field(default_factory=time.perf_counter)
 
-    def complete(self) -> CheckpointSaved:
-        """Wait for the workers, write the rest, fsync and rename; the event to record."""
+    def complete(self, loader_states: list[bytes]) -> CheckpointSaved:
+        """Wait for the workers, write the rest (``loader_states``: the owners' pickled
+        states at this step), fsync and rename; the event to record."""
         store, step, attempt = self.owner.store, self.state.total_steps, self.info["attempt"]
         try:
             self.owner.group.wait(self.wave)
             fault_point("saving:after_weights", step=step, attempt=attempt)
-            (self.tmp / LOADERS_NAME).write_bytes(dumps_loader_states(self.loader_states))
+            (self.tmp / LOADERS_NAME).write_bytes(dumps_loader_states(loader_states))
             (self.tmp / "config.yaml").write_text(self.owner._config_yaml)
             full_info = {
                 "format": CHECKPOINT_FORMAT,
                 "step": step,
                 "save_state": self.state.to_dict(),
-                "logical_world_size": len(self.loader_states),
+                "logical_world_size": len(loader_states),
                 "time": time.time(),
                 **self.info,
             }

@@ -323,12 +323,17 @@ class SFTController(ControllerTeardown):
         this span's trace."""
         return call(carrier=inject_carrier())
 
-    def _loader_state_dicts(self) -> list[bytes]:
+    def _loader_state_dicts(self, sent: Pending | None = None) -> list[bytes]:
         """Each owner's loader state at the last committed step, pickled in the worker (see
-        `dump_loader_state`): a start sent ahead is undone and the step's commit sent first."""
+        `dump_loader_state`): the calls a save `sent` ahead of its writes, or sent now."""
+        return self.group.wait(sent if sent is not None else self._send_loader_states())
+
+    def _send_loader_states(self) -> Pending:
+        """The loader-state calls at the last committed step: a start sent ahead is undone,
+        and the step's batch committed by the same call when no start did it."""
         self.calls.drop_ahead()
-        self.calls.flush_commit()
-        return self._owner_call(self.group.loader_state_bytes)
+        commit = self.calls.take_commit()
+        return self._owner_call(partial(self.group.send_loader_state_bytes, commit))
 
     def _should_save(self, *, save_by_timeout: bool) -> bool:
         """Whether a checkpoint is written now: the machine's save rules moved it to
@@ -356,10 +361,10 @@ class SFTController(ControllerTeardown):
         kinds = rules.save_kinds(state, stopping=stopping, timed_out=timed_out)
         metrics = self._policy_metrics()
         with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
+            states = self._send_loader_states()  # run by the workers before their writes
             write = self.checkpointer.begin(
                 state,
                 kinds=kinds,
-                loader_states=self._loader_state_dicts(),
                 metric=self._checkpoint_metric(metrics) if metrics else {},
                 attempt=attempt,
                 final=rules.budget_reached(state),
@@ -367,10 +372,11 @@ class SFTController(ControllerTeardown):
             )
             try:
                 self._send_ahead_past_save(state)
+                loader_states = self._loader_state_dicts(states)
             except BaseException:
                 quietly("discard the checkpoint", write.discard)
                 raise
-            self.model.saved(event=write.complete())
+            self.model.saved(event=write.complete(loader_states))
         fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
         quietly("prune old checkpoints", self.checkpointer.prune)
 

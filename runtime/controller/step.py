@@ -13,8 +13,9 @@ a deadline, a failure while recording step N) is waited for and undone, and the 
 exactly as if it had never been sent.
 
 Loader commits: a step's batch is committed by the next start (``commit_previous``), which a
-worker refuses unless that step finished there. When no start follows (a checkpoint, the end
-of the run), `flush_commit` sends the commit on its own.
+worker refuses unless that step finished there. When no start follows, a checkpoint's
+loader-state call commits first (`take_commit`), and at the end of the run `flush_commit`
+sends the commit on its own.
 """
 
 from __future__ import annotations
@@ -75,18 +76,18 @@ class StepCalls:
 
     def recorded(self) -> None:
         """The current step is recorded: its batch is committed by the start sent ahead, or
-        by the next start or `flush_commit` when none was."""
+        by the next start, a checkpoint or `flush_commit` when none was."""
         self.commit_pending = self._ahead is None
         self._sent = None
 
     def take_commit(self) -> bool:
         """Whether the last recorded step's batch still needs its commit; the caller sends it
-        (a checkpoint does, ahead of taking the loader states)."""
+        (a checkpoint's loader-state call does)."""
         pending, self.commit_pending = self.commit_pending, False
         return pending
 
     def flush_commit(self) -> None:
-        """Commit the last recorded step's batch now (before a loader state or a close)."""
+        """Commit the last recorded step's batch now (before the loaders close)."""
         if self.take_commit():
             self.group.commit_batches()
 

@@ -2,13 +2,18 @@
 
 A worker's share of a checkpoint (weights, AdamW state, RNG, the model's config and
 tokenizer) takes tens of milliseconds to serialise and write even for a small model, and the
-step queued behind the save would wait for all of it. Instead the worker takes a copy of
-what the files hold (the values the synchronous write would see, so the files hold the
-same values) and hands the writing to one writer thread; the controller learns that the
+step queued behind the save would wait for all of it. Instead one writer thread copies what
+the files hold and writes them while the next step trains; the controller learns that the
 files are durable from a second call (`checkpoint_written`), served by another of the
 actor's threads, so it never queues behind a step. The controller commits the directory
 only after every rank has answered that call, so the checkpoint protocol is unchanged: a
 crash before then leaves a ``tmp_step_N`` that is never taken for a checkpoint.
+
+The copies are taken in the writer thread too, while the next step loads and runs its
+forward and backward: those read the weights and the optimizer state but never change them.
+Whatever does change them (the optimizer step, a load) calls `wait_copied` first, so the
+files hold exactly the values a synchronous save would have written. The RNG, which a
+forward does move, is captured before the call returns.
 """
 
 from __future__ import annotations
@@ -28,12 +33,29 @@ class BackgroundWrites:
         self._pool: ThreadPoolExecutor | None = None
         self._results: dict[str, Future] = {}
         self._changed = threading.Condition()
+        self._uncopied = 0  # submitted checkpoints whose copies are not taken yet
 
-    def submit(self, key: str, writes: list[Write], result: dict[str, Any]) -> None:
-        """Run `writes` in the writer thread; `wait(key)` returns `result` with their files."""
+    def submit(
+        self,
+        key: str,
+        writes: list[Write],
+        result: dict[str, Any],
+        copy: Callable[[], None] | None = None,
+    ) -> None:
+        """Run `copy` (it takes the values the writes hold) and then `writes` in the writer
+        thread; `wait(key)` returns `result` with their files."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
-        self._publish(key, self._pool.submit(_run, writes, result))
+        if copy is not None:
+            with self._changed:
+                self._uncopied += 1
+        self._publish(key, self._pool.submit(self._run, writes, result, copy))
+
+    def wait_copied(self) -> None:
+        """Return once every submitted checkpoint has taken its copies: call it before
+        changing what a checkpoint holds (weights, optimizer state)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._uncopied == 0)
 
     def failed(self, key: str, error: BaseException) -> None:
         """The checkpoint could not even be handed over: `wait(key)` raises `error`."""
@@ -54,9 +76,41 @@ class BackgroundWrites:
             self._results[key] = future
             self._changed.notify_all()
 
+    def _run(
+        self, writes: list[Write], result: dict[str, Any], copy: Callable[[], None] | None
+    ) -> dict[str, Any]:
+        if copy is not None:
+            try:
+                copy()
+            finally:  # a failed copy fails the checkpoint, not the step waiting for it
+                with self._changed:
+                    self._uncopied -= 1
+                    self._changed.notify_all()
+        files: list[str] = []
+        for write in writes:
+            files.extend(write())
+        return {**result, "files": files}
 
-def _run(writes: list[Write], result: dict[str, Any]) -> dict[str, Any]:
-    files: list[str] = []
-    for write in writes:
-        files.extend(write())
-    return {**result, "files": files}
+
+class Copies:
+    """The values a checkpoint's writes hold, by name: copied all at once by `take` (in the
+    writer thread, before the writes), or else each read when its write asks for it."""
+
+    def __init__(self) -> None:
+        self._read: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {}
+        self._taken: dict[str, Any] = {}
+
+    def add(
+        self, name: str, read: Callable[[], Any], copy: Callable[[Any], Any] = lambda v: v
+    ) -> Callable[[], Any]:
+        """Register how to read ``name`` and to copy what was read (for `take`); returns
+        what a write calls for its value."""
+        self._read[name] = (read, copy)
+        return lambda: self._taken.pop(name) if name in self._taken else read()
+
+    def take(self) -> None:
+        for name, (read, copy) in self._read.items():
+            self._taken[name] = copy(read())
+
+    def __bool__(self) -> bool:
+        return bool(self._read)

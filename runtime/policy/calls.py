@@ -151,8 +151,15 @@ class WorkerCalls:
     def loader_states(self) -> list[dict]:
         return self._run("sft_dataloader_state_dict", ranks="owners")
 
-    def loader_state_bytes(self, *, carrier: dict | None = None) -> list[bytes]:
-        return self._run("sft_dataloader_state_bytes", ranks="owners", _otel_carrier=carrier)
+    def send_loader_state_bytes(
+        self, commit_first: bool = False, *, carrier: dict | None = None
+    ) -> Pending:
+        """Each owner's loader state, pickled in the worker, as it stands when the call runs
+        (after the calls sent before it, before those sent after it); ``commit_first``
+        commits the last recorded step's batch in the same call."""
+        return self._submit(
+            "sft_dataloader_state_bytes", commit_first, ranks="owners", _otel_carrier=carrier
+        )
 
     def close_loaders(self, *, carrier: dict | None = None) -> None:
         self._run("close_sft_dataloader", ranks="owners", _otel_carrier=carrier)

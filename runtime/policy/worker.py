@@ -192,10 +192,16 @@ class PolicyWorkerBase(WorkerStateMixin):
     def sft_dataloader_state_dict(self, *, _otel_carrier: dict | None = None) -> dict:
         return self._require_loader().state_dict()
 
-    def sft_dataloader_state_bytes(self, *, _otel_carrier: dict | None = None) -> bytes:
-        """The state, pickled here: the controller writes it without unpickling it."""
+    def sft_dataloader_state_bytes(
+        self, commit_first: bool = False, *, _otel_carrier: dict | None = None
+    ) -> bytes:
+        """The state, pickled here: the controller writes it without unpickling it. With
+        ``commit_first`` the last recorded step's batch is committed first (a checkpoint
+        needs both, and one call saves a hand-over while the worker waits)."""
         from sft_runtime.runtime.checkpoint.loader_states import dump_loader_state
 
+        if commit_first:
+            self.commit_sft_batch(_otel_carrier=_otel_carrier)
         return dump_loader_state(self._require_loader().state_dict())
 
     def close_sft_dataloader(self, *, _otel_carrier: dict | None = None) -> None:
@@ -238,6 +244,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         with traced(
             "rl.sft_v2.finish_step", carrier=_otel_carrier, attributes=self._attrs(P.train)
         ):
+            self._writes.wait_copied()  # a checkpoint being written still reads the weights
             return self.replica.finish()
 
     def run_train_step(

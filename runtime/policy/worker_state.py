@@ -18,7 +18,7 @@ from sft_runtime.runtime.checkpoint import policy_files as ckpt
 from sft_runtime.runtime.checkpoint import sharded
 from sft_runtime.runtime.data.tokenizer import save_tokenizer
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.policy.background_writes import BackgroundWrites, Write
+from sft_runtime.runtime.policy.background_writes import BackgroundWrites, Copies, Write
 from sft_runtime.runtime.policy.hf_model import write_hf_config
 
 WRITES_GROUP = "checkpoint_writes"  # the actor's concurrency group of `checkpoint_written`
@@ -53,7 +53,7 @@ class WorkerStateMixin:
         weights and optimizer (`runtime.checkpoint.sharded`): a collective.
         """
         writes = self._checkpoint_writes(
-            weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path, copy=False
+            weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path, Copies()
         )
         files = [path for write in writes for path in write()]
         return {"rank": self.rank, "files": files, "step": self.replica.steps_done}
@@ -73,9 +73,10 @@ class WorkerStateMixin:
         what `save_checkpoint` would. A sharded save is a collective in step with the peers:
         it is written here. Never raises: an error is `checkpoint_written`'s to report."""
         result = {"rank": self.rank, "step": self.replica.steps_done}
+        copies = Copies()
         try:
             writes = self._checkpoint_writes(
-                weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path
+                weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path, copies
             )
             if self.replica.sharded:  # a collective: written now, in step with the peers
                 files = [path for write in writes for path in write()]
@@ -83,7 +84,7 @@ class WorkerStateMixin:
         except BaseException as exc:  # noqa: BLE001 - reported by checkpoint_written
             self._writes.failed(weights_path, exc)
         else:
-            self._writes.submit(weights_path, writes, result)
+            self._writes.submit(weights_path, writes, result, copies.take if copies else None)
         return result
 
     @ray.method(concurrency_group=WRITES_GROUP)
@@ -101,11 +102,11 @@ class WorkerStateMixin:
         tokenizer_path: str | None,
         is_final_checkpoint: bool,
         rng_path: str | None,
-        *,
-        copy: bool = True,
+        copies: Copies,
     ) -> list[Write]:
-        """This rank's share of a checkpoint as writes to run, the values they write taken
-        now (copied when `copy`: the writes may run while the next step changes them)."""
+        """This rank's share of a checkpoint as writes to run. The weights and optimizer
+        state they write are registered in ``copies``: copied by `Copies.take` when the writes
+        run beside the next step, or else read by each write when it runs."""
         if self.replica.step_open:
             raise RuntimeError(f"rank {self.rank}: cannot save while a train step is open")
         writes: list[Write] = []
@@ -117,17 +118,17 @@ class WorkerStateMixin:
                 writes.append(lambda: [ckpt.save_torch(path, state)])
         elif optimizer_path is not None and self.rank == 1 % self.world_size:
             opt_path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
-            opt = self.replica.optimizer_state()
-            opt = _to_cpu(opt) if copy else opt
-            opt["is_final_checkpoint"] = bool(is_final_checkpoint)
-            writes.append(lambda: [ckpt.save_torch(opt_path, opt)])
+            final = bool(is_final_checkpoint)
+            opt = copies.add(
+                "optimizer",
+                lambda: {**self.replica.optimizer_state(), "is_final_checkpoint": final},
+                _to_cpu,
+            )
+            writes.append(lambda: [ckpt.save_torch(opt_path, opt())])
         if self.rank == 0:
-            if not self.replica.sharded:
-                if copy:
-                    weights = self.replica.weights()  # a CPU copy
-                    writes.append(lambda: ckpt.save_weights(weights_path, weights))
-                else:  # copied when written, so no two big copies are held at once
-                    writes.append(lambda: ckpt.save_weights(weights_path, self.replica.weights()))
+            if not self.replica.sharded:  # a CPU copy either way: never two held at once
+                weights = copies.add("weights", self.replica.weights)
+                writes.append(lambda: ckpt.save_weights(weights_path, weights()))
             if self.replica.is_hf:
                 model = self.replica.model  # only its config is read
                 writes.append(lambda: write_hf_config(model, weights_path, dtype=torch.float32))
@@ -151,6 +152,7 @@ class WorkerStateMixin:
         """Restore weights, optionally optimizer + schedule, and this rank's RNG state."""
         if self.replica.step_open:
             raise RuntimeError(f"rank {self.rank}: cannot load while a train step is open")
+        self._writes.wait_copied()  # a checkpoint being written still reads the old values
         rng_dir = rng_path or _default_rng_dir(weights_path)
         rng_file = os.path.join(rng_dir, ckpt.rng_file(self.rank))
         rng_state = ckpt.load_torch(rng_file, "RNG state") if os.path.isdir(rng_dir) else None

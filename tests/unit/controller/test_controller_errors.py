@@ -32,6 +32,7 @@ class StubGroup(WorkerCalls):
     def __init__(self, fail: dict[str, Exception] | None = None) -> None:
         self.fail = fail or {}
         self.calls: list[str] = []
+        self.waits: list[tuple[int, str]] = []  # (calls sent by then, the method waited for)
 
     def _answer(self, method: str, rank: int):
         if method == "start_sft_step":
@@ -44,7 +45,10 @@ class StubGroup(WorkerCalls):
         return None
 
     def _error(self, method: str, args: tuple) -> Exception | None:
-        if method == "start_sft_step" and args[1]:  # it commits the previous step's batch
+        commits = (method == "start_sft_step" and args[1]) or (
+            method == "sft_dataloader_state_bytes" and args[0]
+        )
+        if commits:  # the call commits the last recorded step's batch first
             self.calls.append("commit_sft_batch")
             if "commit_sft_batch" in self.fail:
                 return self.fail["commit_sft_batch"]
@@ -56,6 +60,7 @@ class StubGroup(WorkerCalls):
         return Pending(method, [(r, (method, r, error)) for r in (0, 1)])
 
     def _wait(self, pending, timeout_s=None):
+        self.waits.append((len(self.calls), pending.method))
         for _, (_, _, error) in pending.refs:
             if error is not None:
                 raise error
@@ -139,6 +144,48 @@ def test_a_loader_commit_failure_fails_the_next_step_before_it_counts(tmp_path):
     aborted = [r.data for r in records if r.type == "step_aborted"]
     assert [(a["step"], a["phase"]) for a in aborted] == [(2, "loading")]
     assert "commit failed" in aborted[0]["error"]
+    assert records[-1].type == "run_stopped" and records[-1].data["reason"] == "failed"
+
+
+def test_a_save_sends_its_calls_in_order_and_waits_only_after_the_next_start(tmp_path):
+    """The worker runs the loader commit and state, the checkpoint writes and the next step's
+    start back to back: Ray keeps the order they were sent in, so the controller waits for
+    the states only once all of them are out."""
+    group = StubGroup()
+    controller, run_dir = _controller(tmp_path, group)  # saves after step 3, then step 4
+    controller.run()
+    calls = group.calls
+    first = calls.index("sft_dataloader_state_bytes")
+    assert calls[first : first + 5] == [
+        "sft_dataloader_state_bytes",
+        "commit_sft_batch",  # by the state call, first: no start committed step 3's batch
+        "begin_checkpoint",
+        "checkpoint_written",
+        "start_sft_step",  # step 4, behind the writes
+    ]
+    waited = [sent for sent, method in group.waits if method == "sft_dataloader_state_bytes"]
+    assert waited[0] == first + 5  # nothing waited for between the first and the last
+    assert [r.data["step"] for r in read_log(run_dir) if r.type == "checkpoint_saved"] == [3, 4]
+
+
+def test_a_commit_failing_inside_a_checkpoint_leaves_no_checkpoint(tmp_path):
+    """The checkpoint's own loader commit fails: the writes already sent are discarded, no
+    ``step_3`` (nor its temp directory) is left, and the steps recorded stay recorded."""
+
+    class FailTheSavesCommit(StubGroup):
+        def _error(self, method, args):
+            if method == "sft_dataloader_state_bytes" and args[0]:
+                return RuntimeError("commit failed")
+            return super()._error(method, args)
+
+    group = FailTheSavesCommit()
+    controller, run_dir = _controller(tmp_path, group)
+    with pytest.raises(RuntimeError, match="commit failed"):
+        controller.run()
+    assert list((run_dir / "checkpoints").iterdir()) == []
+    records = list(read_log(run_dir))
+    assert [r.data["step"] for r in records if r.type == "step_committed"] == [1, 2, 3]
+    assert not [r for r in records if r.type == "checkpoint_saved"]
     assert records[-1].type == "run_stopped" and records[-1].data["reason"] == "failed"
 
 

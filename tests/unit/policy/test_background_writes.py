@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sft_runtime.runtime.policy.background_writes import BackgroundWrites
+from sft_runtime.runtime.policy.background_writes import BackgroundWrites, Copies
 
 
 def _write(path: Path, text: str):
@@ -75,3 +75,56 @@ def test_writes_run_one_after_another_in_the_order_handed_over(tmp_path):
     gate.set()
     writes.wait("2")
     assert order == ["first", "second"]
+
+
+def test_a_change_waits_for_the_copy_and_the_files_hold_the_values_before_it(tmp_path):
+    """The copy runs in the writer thread; `wait_copied` (what the optimizer step calls
+    first) returns only once it has, so a value changed afterwards is not what is written."""
+    writes, copies = BackgroundWrites(), Copies()
+    live = {"w": 1}
+    gate, copied = threading.Event(), threading.Event()
+
+    def read() -> dict:
+        gate.wait()
+        return live
+
+    value = copies.add("weights", read, lambda v: dict(v))
+    writes.submit("k", [lambda: [_record(tmp_path / "f", value())]], {}, copies.take)
+    changer = threading.Thread(target=lambda: (writes.wait_copied(), copied.set()))
+    changer.start()
+    try:  # the copy has not run, so the change must not come: however long it is given
+        assert not copied.wait(0.1)
+    finally:
+        gate.set()
+    changer.join()
+    live["w"] = 2  # the change, after the wait
+    assert writes.wait("k")["files"] == [str(tmp_path / "f")]
+    assert (tmp_path / "f").read_text() == "{'w': 1}"
+
+
+def test_a_copy_that_fails_fails_its_checkpoint_and_releases_the_step(tmp_path):
+    writes, copies = BackgroundWrites(), Copies()
+
+    def read():
+        raise MemoryError("no room for the copy")
+
+    value = copies.add("weights", read)
+    writes.submit("k", [lambda: [_record(tmp_path / "f", value())]], {}, copies.take)
+    writes.wait_copied()  # returns: the step goes on
+    with pytest.raises(MemoryError, match="no room"):
+        writes.wait("k")
+    assert not (tmp_path / "f").exists()
+
+
+def test_without_take_each_write_reads_its_value_when_it_runs():
+    """The synchronous save: nothing is copied ahead, a write reads the live value."""
+    copies, live = Copies(), {"w": 1}
+    value = copies.add("weights", lambda: dict(live), lambda v: {"copied": v})
+    live["w"] = 2
+    assert value() == {"w": 2}
+    assert not Copies() and copies
+
+
+def _record(path: Path, value) -> str:
+    path.write_text(repr(value))
+    return str(path)
