@@ -136,6 +136,7 @@ def runtime_run(raw: dict) -> dict:
     run_training(master_config(raw))
     records = committed(Path(raw["logger"]["log_dir"]))
     return {
+        "steps": [r.data["step"] for r in records],
         "times": [r.time for r in records],
         "losses": [r.data["loss"] for r in records],
         "load": [r.data["timings"].get("loader_latency_max", 0.0) for r in records],
@@ -147,6 +148,21 @@ def _model_work(timings: dict) -> float:
     """Seconds of a step the plain loop spends too: forward/backward, gradient all-reduce,
     optimizer (as the worker timed them)."""
     return sum(timings.get(k, 0.0) for k in ("forward_backward_s", "allreduce_s", "optimizer_s"))
+
+
+def save_cost(run: dict, save_period: int) -> float:
+    """Seconds a checkpoint adds to the step after it (a `runtime_run` with a save every
+    ``save_period`` steps): that step's interval beyond its model work, less the median of
+    the same over the other steps of the steady window."""
+    import statistics
+
+    extra = {}
+    for k in range(WARMUP, len(run["times"])):
+        interval = run["times"][k] - run["times"][k - 1]
+        extra[run["steps"][k]] = interval - run["model_work"][k]
+    after = [v for step, v in extra.items() if (step - 1) % save_period == 0]
+    others = [v for step, v in extra.items() if (step - 1) % save_period != 0]
+    return statistics.mean(after) - statistics.median(others)
 
 
 def step_time(times: list[float]) -> float:

@@ -27,7 +27,8 @@ all-reduce, optimizer, what the plain loop does; no drift between runs moves it)
 slower the same computation ran inside the runtime, for the inline side too). The last
 explains the second: ``plain_beside_a_busy_core`` is the plain loop while another process
 renders and tokenizes chats flat out on the machine's other core. On these 2-core VMs that
-alone slows the step, so loading on "the free core" is not free here.
+alone slows the step, so loading on "the free core" is not free here. ``checkpoint_cost`` is
+what a save adds to the step after it (the plain loop saves nothing), from the same run.
 """
 
 from __future__ import annotations
@@ -117,11 +118,12 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
         plain_losses.append(out["losses"])
         return h.step_time(out["times"])
 
-    ref, sub, ratios, extra, diffs, shares = [], [], [], [], [], []
+    ref, sub, ratios, extra, diffs, shares, saves = [], [], [], [], [], [], []
     inline, inline_ratios, load, work, inline_work = [], [], [], [], []
     before = plain()
     for i in range(ROUNDS):
-        ours = h.runtime_run(raw_config(data, model, tmp / f"run-{i}"))
+        raw = raw_config(data, model, tmp / f"run-{i}")
+        ours = h.runtime_run(raw)
         t_sub, between = h.step_time(ours["times"]), plain()
         t_ref = (before + between) / 2  # the plain loop just before and just after
         ref.append(t_ref)
@@ -130,6 +132,7 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
         extra.append(t_sub - t_ref)
         model_work = statistics.mean(ours["model_work"][h.WARMUP :])
         shares.append(t_sub / model_work)
+        saves.append(h.save_cost(ours, raw["checkpointing"]["save_period"]))
         work.append(model_work / t_ref)
         pairs = zip(plain_losses[-1], ours["losses"], strict=True)
         diffs.append(max(abs(a - b) for a, b in pairs))
@@ -184,6 +187,11 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
             "x",
         ),
         h.row("hf.step.model_work_over_plain_step", statistics.median(work), "x"),
+        h.row(
+            "hf.step.checkpoint_cost (added to the step after a save, same run)",
+            statistics.median(saves) * ms,
+            "ms",
+        ),
         h.row(
             "hf.step.model_work_over_plain_step_loading_inline",
             statistics.median(inline_work),
