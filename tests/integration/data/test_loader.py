@@ -159,6 +159,16 @@ def test_two_workers_resume_and_double_abort_are_exact(make_loader):
     _assert_same(straight, got)
 
 
+def test_a_worker_process_hands_over_the_same_batches_without_shared_memory(make_loader):
+    inline = _take(make_loader(), 4)
+    loader = make_loader(num_workers=1)
+    loader.load()
+    # sent as bytes (runtime.data.batch), not as shared-memory file descriptors
+    assert not loader.active_batch.input_ids.is_shared()
+    loader.abort()
+    _assert_same(inline, _take(loader, 4))
+
+
 def test_epochs_are_counted_in_committed_steps_and_survive_resume(make_loader):
     loader = make_loader(virtual_epoch_length=3)
     epochs = []
