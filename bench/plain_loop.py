@@ -23,6 +23,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if not __package__:  # run as a script: make `bench` importable
@@ -133,6 +134,25 @@ class PlainLoop:
             self.loader.commit()
         return float(flat[-2].item()) / max(total, 1)
 
+    def turns(self) -> dict:
+        """Steps on demand (`PlainTurns`): read a count on stdin, run that many steps, print
+        how long each took (the first from when the count arrived); 0 ends. Between turns
+        the process waits on the pipe and takes no CPU."""
+        print("ready", flush=True)
+        losses: list[float] = []
+        for line in sys.stdin:
+            if int(line) == 0:
+                break
+            durations, start = [], time.perf_counter()
+            for _ in range(int(line)):
+                losses.append(self.step(len(losses)))
+                now = time.perf_counter()
+                durations.append(now - start)
+                start = now
+            print(json.dumps(durations), flush=True)
+        self.dist.destroy_process_group()
+        return {"losses": losses}
+
     def run(self) -> dict:
         times, losses = [], []
         for step in range(self.job["steps"]):
@@ -144,11 +164,25 @@ class PlainLoop:
         return {"times": times, "losses": losses}
 
 
-def plain_run(raw: dict, world: int, steps: int, batches: Path | None) -> dict:
-    """Run the plain loop on `world` subprocesses; rank 0's step end times and losses."""
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _start(job: dict, **popen: Any) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, __file__, json.dumps(job)],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        text=True,
+        **popen,
+    )
+
+
+def plain_run(raw: dict, world: int, steps: int, batches: Path | None) -> dict:
+    """Run the plain loop on `world` subprocesses; rank 0's step end times and losses."""
+    port = _free_port()
     procs = []
     for rank in range(world):
         job = {
@@ -159,19 +193,38 @@ def plain_run(raw: dict, world: int, steps: int, batches: Path | None) -> dict:
             "steps": steps,
             "batches": str(batches) if batches else None,
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, json.dumps(job)],
-                stdout=subprocess.PIPE,
-                cwd=ROOT,
-                text=True,
-            )
-        )
+        procs.append(_start(job))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p in procs:
         if p.returncode:
             raise RuntimeError(f"plain loop rank exited with {p.returncode}")
     return json.loads(outs[0].strip().splitlines()[-1])
+
+
+class PlainTurns:
+    """One rank of the plain loop (DP=1, pretokenized batches) that trains when told to:
+    `turn(n)` runs its next `n` steps and returns their durations."""
+
+    def __init__(self, raw: dict, batches: Path) -> None:
+        job = {"rank": 0, "world": 1, "port": _free_port(), "raw": raw, "steps": 0}
+        self.proc = _start({**job, "batches": str(batches), "turns": True}, stdin=subprocess.PIPE)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the plain loop did not start (exit {self.proc.wait()})")
+
+    def turn(self, steps: int) -> list[float]:
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the plain loop exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> list[float]:
+        """End the loop; the losses of every step it ran."""
+        out, _ = self.proc.communicate("0\n", timeout=600)
+        if self.proc.returncode:
+            raise RuntimeError(f"the plain loop exited with {self.proc.returncode}")
+        return json.loads(out.strip().splitlines()[-1])["losses"]
 
 
 def pretokenize(raw: dict, world: int, steps: int, out: Path) -> Path:
@@ -198,4 +251,6 @@ def pretokenize(raw: dict, world: int, steps: int, out: Path) -> Path:
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
-    print(json.dumps(PlainLoop(json.loads(sys.argv[1])).run()), flush=True)
+    job = json.loads(sys.argv[1])
+    loop = PlainLoop(job)
+    print(json.dumps(loop.turns() if job.get("turns") else loop.run()), flush=True)
