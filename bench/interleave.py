@@ -42,6 +42,7 @@ class RuntimeTurns:
         self._error: BaseException | None = None
         self._seen, self._committed = 0, 0
         self._frozen: list[int] = []
+        self._pids: list[int] = []  # controller, workers and their loader processes
         config = h.master_config(raw)
 
         def train() -> None:
@@ -81,11 +82,12 @@ class RuntimeTurns:
     def freeze(self) -> None:
         import psutil
 
-        pids = []
-        for proc in psutil.process_iter():
-            if h._role(proc) is not None:
-                pids.append(proc.pid)
-                pids.extend(child.pid for child in proc.children(recursive=True))
+        if not self._pids:  # the run's processes are all up by its first commit: scan once
+            for proc in psutil.process_iter():
+                if h._role(proc) is not None:
+                    self._pids.append(proc.pid)
+                    self._pids.extend(child.pid for child in proc.children(recursive=True))
+        pids = self._pids
         frozen_at = time.time()
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
