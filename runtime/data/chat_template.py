@@ -132,13 +132,31 @@ def _by_prefix_renders(
     tokenizer: Any, messages: Messages, template: str, only_unmask_final: bool
 ) -> tuple[list[int], list[bool]]:
     text = render(tokenizer, messages, template)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = _encode_with_offsets(tokenizer, text)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if only_unmask_final:
         turns = turns[-1:]
     closers = _special_strings(tokenizer)
     spans = [_assistant_span(tokenizer, messages, template, text, i, closers) for i in turns]
-    return list(encoded["input_ids"]), tokens_in_spans(encoded["offset_mapping"], spans)
+    return ids, tokens_in_spans(offsets, spans)
+
+
+def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids and character offsets of `text`, as ``tokenizer(text, add_special_tokens=False)``
+    gives them. The Rust tokenizer is asked directly when it is set up as that call would
+    set it (no truncation, no padding, special tokens kept whole unless the tokenizer splits
+    them): the call's argument checks and conversions cost as much as the encoding itself,
+    once per sample read. Otherwise the call runs, and leaves the backend set up so."""
+    backend = tokenizer.backend_tokenizer
+    if (
+        backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == bool(tokenizer.split_special_tokens)
+    ):
+        encoding = backend.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(encoded["input_ids"]), list(encoded["offset_mapping"])
 
 
 def _assistant_span(

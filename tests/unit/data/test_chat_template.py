@@ -277,3 +277,32 @@ def test_a_saved_tokenizer_renders_the_same_ids(folder, tmp_path, override):
     ids, _ = _ours(folder, variant).encode_chat(CHAT)
     assert reloaded.apply_chat_template(CHAT, tokenize=True)["input_ids"] == ids
     assert (ids != _ours(folder).encode_chat(CHAT)[0]) == override
+
+
+def test_the_backend_encoding_is_the_tokenizer_call(folder):
+    """The per-sample shortcut past ``tokenizer(...)`` gives that call's ids and offsets."""
+    import random
+
+    from sft_runtime.runtime.data.demo import demo_conversation
+
+    tok, rng = _ours(folder).hf_tokenizer, random.Random(3)
+    texts = [hf_chat.render(tok, demo_conversation(rng), _ours(folder).chat_template)]
+    texts += [hf_chat.render(tok, CHAT, _ours(folder).chat_template), "plain text, no markers"]
+    for text in texts:
+        call = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = hf_chat._encode_with_offsets(tok, text)
+        assert ids == call["input_ids"] and len(ids) > 3
+        assert [tuple(o) for o in offsets] == [tuple(o) for o in call["offset_mapping"]]
+
+
+def test_a_backend_set_to_truncate_is_not_used_as_it_is(tiny_llama):
+    """Truncation left on the Rust tokenizer (a tokenizer.json can carry one) would cut a
+    conversation short; the ids stay whole, as the tokenizer call gives them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    template = _ours(str(tiny_llama)).chat_template
+    whole, _ = hf_chat.tokenize_chat(tok, CHAT, template)
+    tok.backend_tokenizer.enable_truncation(max_length=5)
+    ids, mask = hf_chat.tokenize_chat(tok, CHAT, template)
+    assert ids == whole and len(ids) > 5 and any(mask)
