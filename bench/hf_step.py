@@ -22,13 +22,14 @@ This machine's speed drifts by 10% and more within a minute, more than the targe
 so the target is judged in turns (`interleave.py`): both sides are up at once, the runtime
 trains 4 steps while the plain loop waits, then is frozen while the plain loop trains the
 same 4 batches, and so on (the plain loop goes first in every other run);
-``in_turns.sft_runtime_over_plain`` is the median of six such runs, and
-``in_turns.plain_over_plain``, the plain loop in turns with itself, shows how finely that
-resolves. The rows after them time whole runs one after the other instead: each
-runtime run against the mean of the plain runs just before and just after it, the median of
-five such ratios. Two more rows split that ratio in two: ``interval_over_model_work``
-(the runtime's step interval over the model work inside that same run: forward/backward,
-all-reduce, optimizer, what the plain loop does; no drift between runs moves it) and
+``in_turns.sft_runtime_over_plain`` is the median of ten such runs (one run alone varies
+by several percent, from process to process), and ``in_turns.plain_over_plain``, the plain
+loop in turns with itself, shows how finely that resolves. The rows after them time whole
+runs one after the other instead: each runtime run against the mean of the plain runs just
+before and just after it, the median of four such ratios. Two more rows split that ratio
+in two: ``interval_over_model_work`` (the runtime's step interval over the model work
+inside that same run: forward/backward, all-reduce, optimizer, what the plain loop does;
+no drift between runs moves it) and
 ``model_work_over_plain_step`` (that model work over the plain loop's whole step: how much
 slower the same computation ran inside the runtime, for the inline side too). The last
 explains the second: ``plain_beside_a_busy_core`` is the plain loop while another process
@@ -54,7 +55,7 @@ from bench import interleave as il  # noqa: E402
 from bench.plain_loop import plain_run, pretokenize  # noqa: E402
 
 TARGET = 1.05
-ROUNDS = 5
+ROUNDS = 4
 # Checkpoints at 10, 20 and 30 inside the timed window (as often as a run saves them); a
 # longer window than `h.STEPS` also evens out the machine's short slow spells.
 STEPS = 32
@@ -66,7 +67,7 @@ SHAPE = {**h.COMPUTE, "packing": False}  # the plain HF forward takes one sample
 # Two forwards that differ only in how they mask padding differ by float rounding at most.
 LOSS_TOLERANCE = 1e-4
 BUSY_ROUNDS = 2
-TURN_ROUNDS = 6  # even: each side goes first on the batches in half of them
+TURN_ROUNDS = 10  # even: each side goes first on the batches in half of them
 # A loader's work without the loader: the model's tokenizer renders and tokenizes a chat over
 # and over, in a process of its own, until it is killed.
 BUSY_LOOP = """
