@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,13 @@ _PROBE = [
     {"role": "user", "content": "Once more."},
     {"role": "assistant", "content": "Hello again."},
 ]
+# What a direct render must agree on with transformers' (see `ChatTemplate`).
+_PROBES = (
+    _PROBE,
+    _PROBE[:1],
+    _PROBE[:3],
+    [{"role": "system", "content": "Be brief.\n"}, *_PROBE[:2]],
+)
 
 Messages = list[dict[str, Any]]
 Span = tuple[int, int]
@@ -77,7 +86,7 @@ def has_generation_markers(template: str) -> bool:
 def render(
     tokenizer: Any, messages: Messages, template: str, *, add_generation_prompt: bool = False
 ) -> str:
-    """The template's text for `messages` (no tokenization)."""
+    """The template's text for `messages` (no tokenization), as transformers renders it."""
     return tokenizer.apply_chat_template(
         messages,
         chat_template=template,
@@ -86,23 +95,171 @@ def render(
     )
 
 
-def encode_prompt(tokenizer: Any, messages: Messages, template: str) -> list[int]:
-    """Ids of `messages` followed by the assistant header, as a generation prompt."""
-    text = render(tokenizer, messages, template, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def tokenize_chat(
     tokenizer: Any, messages: Messages, template: str, *, only_unmask_final: bool = False
 ) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and, per token, whether it is supervised.
+    """`ChatTemplate.tokenize` for one conversation (a loader keeps one `ChatTemplate`)."""
+    return ChatTemplate(tokenizer, template).tokenize(messages, only_unmask_final=only_unmask_final)
 
-    With `only_unmask_final` only the last assistant turn is. A conversation without an
-    assistant turn gets an all-False mask (callers skip it rather than train on nothing).
+
+class ChatTemplate:
+    """A tokenizer's chat template, set up once to render and tokenize many conversations.
+
+    Every sample read is rendered once per assistant turn and once whole, and most of what
+    ``apply_chat_template`` spends on a render is converting its input to plain data
+    (it accepts message objects, dataclasses, reasoning fields under several names), not the
+    template itself. A conversation that is already plain (each message a dict of string
+    ``role`` and ``content``, as the data sets hold them) is rendered by the same compiled
+    template with the same variables directly, which is what those conversions reduce it to;
+    anything else goes through ``apply_chat_template``. The direct render is checked against
+    ``apply_chat_template`` here, and not used if they differ on a probe conversation. The
+    tokenizer's special tokens are read here: build it after they are final.
     """
-    if has_generation_markers(template):
-        return _by_generation_markers(tokenizer, messages, template, only_unmask_final)
-    return _by_prefix_renders(tokenizer, messages, template, only_unmask_final)
+
+    def __init__(self, tokenizer: Any, template: str) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.marked = has_generation_markers(template)
+        self.closers = _special_strings(tokenizer)
+        self._direct = _direct_renderer(tokenizer, template)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_direct": None}  # a compiled template does not pickle
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._direct = _direct_renderer(self.tokenizer, self.template)
+
+    @property
+    def renders_directly(self) -> bool:
+        """Whether plain conversations skip ``apply_chat_template`` (see the class)."""
+        return self._direct is not None
+
+    def render(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
+        if self._direct is not None and _plain(messages):
+            return self._direct(messages, add_generation_prompt=add_generation_prompt)
+        return render(
+            self.tokenizer, messages, self.template, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode_prompt(self, messages: Messages) -> list[int]:
+        """Ids of `messages` followed by the assistant header, as a generation prompt."""
+        text = self.render(messages, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def tokenize(
+        self, messages: Messages, *, only_unmask_final: bool = False
+    ) -> tuple[list[int], list[bool]]:
+        """Token ids of the rendered conversation and, per token, whether it is supervised.
+
+        With `only_unmask_final` only the last assistant turn is. A conversation without an
+        assistant turn gets an all-False mask (callers skip it rather than train on nothing).
+        """
+        if self.marked:
+            return _by_generation_markers(
+                self.tokenizer, messages, self.template, only_unmask_final
+            )
+        return self._by_prefix_renders(messages, only_unmask_final)
+
+    def _by_prefix_renders(
+        self, messages: Messages, only_unmask_final: bool
+    ) -> tuple[list[int], list[bool]]:
+        text = self.render(messages)
+        ids, offsets = _encode_with_offsets(self.tokenizer, text)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if only_unmask_final:
+            turns = turns[-1:]
+        spans = [self._assistant_span(messages, text, i) for i in turns]
+        return ids, tokens_in_spans(offsets, spans)
+
+    def _assistant_span(self, messages: Messages, text: str, index: int) -> Span:
+        """Characters of assistant turn `index` in `text`: from the end of its header to the
+        end of its end-of-turn token (whitespace the template adds after that token is
+        layout)."""
+        if index == 0:
+            raise ValueError(
+                "the conversation opens with an assistant message: without {% generation %} "
+                "markers in the chat template its start cannot be told from the template's "
+                "preamble"
+            )
+        before = self.render(messages[:index], add_generation_prompt=True)
+        # the final turn's render is the whole conversation's, already at hand
+        last = index + 1 == len(messages)
+        through = text if last else self.render(messages[: index + 1])
+        for prefix in (before, through):
+            if not text.startswith(prefix):
+                raise ValueError(
+                    f"the chat template renders message {index} differently once later "
+                    f"messages follow, so its assistant turns cannot be located by prefix "
+                    f"renders; use a template with {{% generation %}} markers ({TEMPLATE_KEY})"
+                )
+        start, end = len(before), len(through)
+        body = text[start:end]
+        kept = body.rstrip()
+        if kept != body and kept.endswith(self.closers):
+            end = start + len(kept)
+        return start, max(start, end)
+
+
+_PLAIN_KEYS = frozenset({"role", "content"})
+
+
+def _plain(messages: Messages) -> bool:
+    """Whether ``apply_chat_template``'s conversions would hand `messages` to the template
+    as they are: dicts of string ``role`` and ``content``, nothing else."""
+    for message in messages:
+        if type(message) is not dict or not message.keys() <= _PLAIN_KEYS:
+            return False
+        if not all(type(value) is str for value in message.values()):
+            return False
+    return True
+
+
+def _direct_renderer(tokenizer: Any, template: str) -> Callable[[Messages, bool], str] | None:
+    """A render of plain conversations by transformers' compiled template with the
+    variables ``apply_chat_template`` passes it, or None when it cannot be had or renders
+    the probe conversations otherwise."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        compiled = _compile_jinja_template(template)
+    except Exception:  # noqa: BLE001 - another transformers, or a template it refuses
+        return None
+    variables = dict(tokenizer.special_tokens_map)
+    if not all(_strings(value) for value in variables.values()):
+        return None  # transformers would turn other objects into placeholders
+
+    def direct(messages: Messages, *, add_generation_prompt: bool) -> str:
+        return compiled.render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    for messages in _PROBES:
+        for prompt in (False, True):
+            if _outcome(direct, messages, prompt) != _outcome(
+                partial(render, tokenizer, template=template), messages, prompt
+            ):
+                return None
+    return direct
+
+
+def _outcome(render_fn: Callable, messages: Messages, prompt: bool) -> str | tuple[str, str]:
+    """The text, or the kind of error, a render gives (a template may refuse a probe, such
+    as a system message, as long as both renders refuse it alike)."""
+    try:
+        return render_fn(messages, add_generation_prompt=prompt)
+    except Exception as exc:  # noqa: BLE001 - compared, not handled
+        return ("error", type(exc).__name__)
+
+
+def _strings(value: Any) -> bool:
+    if type(value) is str:
+        return True
+    return type(value) is list and all(type(item) is str for item in value)
 
 
 def _by_generation_markers(
@@ -128,19 +285,6 @@ def _by_generation_markers(
     return ids, mask
 
 
-def _by_prefix_renders(
-    tokenizer: Any, messages: Messages, template: str, only_unmask_final: bool
-) -> tuple[list[int], list[bool]]:
-    text = render(tokenizer, messages, template)
-    ids, offsets = _encode_with_offsets(tokenizer, text)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if only_unmask_final:
-        turns = turns[-1:]
-    closers = _special_strings(tokenizer)
-    spans = [_assistant_span(tokenizer, messages, template, text, i, closers) for i in turns]
-    return ids, tokens_in_spans(offsets, spans)
-
-
 def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """Ids and character offsets of `text`, as ``tokenizer(text, add_special_tokens=False)``
     gives them. The Rust tokenizer is asked directly when it is set up as that call would
@@ -157,41 +301,6 @@ def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tup
         return encoding.ids, encoding.offsets
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return list(encoded["input_ids"]), list(encoded["offset_mapping"])
-
-
-def _assistant_span(
-    tokenizer: Any,
-    messages: Messages,
-    template: str,
-    text: str,
-    index: int,
-    closers: tuple[str, ...],
-) -> Span:
-    """Characters of assistant turn `index` in `text`: from the end of its header to the end
-    of its end-of-turn token (whitespace the template adds after that token is layout)."""
-    if index == 0:
-        raise ValueError(
-            "the conversation opens with an assistant message: without {% generation %} "
-            "markers in the chat template its start cannot be told from the template's "
-            "preamble"
-        )
-    before = render(tokenizer, messages[:index], template, add_generation_prompt=True)
-    # the final turn's render is the whole conversation's, already at hand
-    last = index + 1 == len(messages)
-    through = text if last else render(tokenizer, messages[: index + 1], template)
-    for prefix in (before, through):
-        if not text.startswith(prefix):
-            raise ValueError(
-                f"the chat template renders message {index} differently once later messages "
-                f"follow, so its assistant turns cannot be located by prefix renders; use a "
-                f"template with {{% generation %}} markers ({TEMPLATE_KEY})"
-            )
-    start, end = len(before), len(through)
-    body = text[start:end]
-    kept = body.rstrip()
-    if kept != body and kept.endswith(closers):
-        end = start + len(kept)
-    return start, max(start, end)
 
 
 def _special_strings(tokenizer: Any) -> tuple[str, ...]:
@@ -215,11 +324,11 @@ def tokens_in_spans(offsets: list[tuple[int, int]], spans: list[Span]) -> list[b
     return out.tolist()
 
 
-def check_template(tokenizer: Any, template: str, *, path: str) -> None:
-    """Fail at start-up, naming the config key, when `template` cannot render a plain chat or
-    supervises nothing in it, rather than skipping every sample later."""
+def check_template(chat: ChatTemplate, *, path: str) -> None:
+    """Fail at start-up, naming the config key, when the template cannot render a plain chat
+    or supervises nothing in it, rather than skipping every sample later."""
     try:
-        _, mask = tokenize_chat(tokenizer, _PROBE, template)
+        _, mask = chat.tokenize(_PROBE)
     except Exception as exc:  # a template error can be any type (jinja2, ValueError, ...)
         raise UserInputError(
             f"tokenizer.path {path!r}: the chat template cannot render a user/assistant "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 from megatron.energon import Sample, SkipSample, TaskEncoder, WorkerConfig, edataclass, stateless
 from megatron.energon.rng import SystemRng
@@ -52,14 +53,18 @@ def encode_conversation(
 
 
 def collate_rows(rows: list[EncodedChat], *, pad_id: int, pad_multiple: int) -> SFTBatch:
-    """Pad rows to a common length (a multiple of `pad_multiple`) and build the tensors."""
+    """Pad rows to a common length (a multiple of `pad_multiple`) and build the tensors.
+
+    The rows are written into numpy arrays, which the tensors then share: a batch is built
+    for every step, and a torch op per segment and field costs more than the copy itself.
+    """
     longest = max(row.length for row in rows)
     width = -(-longest // pad_multiple) * pad_multiple
     shape = (len(rows), width)
-    input_ids = torch.full(shape, pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(shape, dtype=torch.float32)
-    position_ids = torch.zeros(shape, dtype=torch.long)
-    segment_ids = torch.full(shape, -1, dtype=torch.long)
+    ids_np = np.full(shape, pad_id, dtype=np.int64)
+    mask_np = np.zeros(shape, dtype=np.float32)
+    positions_np = np.zeros(shape, dtype=np.int64)
+    segments_np = np.full(shape, -1, dtype=np.int64)
     cu_seqlens: list[list[int]] = []
     source_ids: list[str] = []
     lengths: list[int] = []
@@ -67,14 +72,16 @@ def collate_rows(rows: list[EncodedChat], *, pad_id: int, pad_multiple: int) -> 
         offsets = [0]
         for s, (ids, mask) in enumerate(zip(row.token_ids, row.loss_masks, strict=True)):
             start, n = offsets[-1], len(ids)
-            input_ids[r, start : start + n] = torch.tensor(ids, dtype=torch.long)
-            loss_mask[r, start : start + n] = torch.tensor(mask, dtype=torch.float32)
-            position_ids[r, start : start + n] = torch.arange(n)
-            segment_ids[r, start : start + n] = s
+            ids_np[r, start : start + n] = ids
+            mask_np[r, start : start + n] = mask
+            positions_np[r, start : start + n] = np.arange(n)
+            segments_np[r, start : start + n] = s
             offsets.append(start + n)
             lengths.append(n)
         cu_seqlens.append(offsets)
         source_ids.extend(row.source_ids)
+    input_ids, loss_mask = torch.from_numpy(ids_np), torch.from_numpy(mask_np)
+    position_ids, segment_ids = torch.from_numpy(positions_np), torch.from_numpy(segments_np)
     return SFTBatch(
         input_ids=input_ids,
         loss_mask=loss_mask,

@@ -169,7 +169,8 @@ class HFChatTokenizer:
         self.pad_id = int(self._tok.pad_token_id if self._tok.pad_token_id is not None else eos)
         self.vocab_size = len(self._tok)
         self.chat_template = hf_chat.resolve_template(self._tok, chat_template, path=path)
-        hf_chat.check_template(self._tok, self.chat_template, path=path)
+        self._chat = hf_chat.ChatTemplate(self._tok, self.chat_template)
+        hf_chat.check_template(self._chat, path=path)
         digest = hashlib.sha256(str(sorted(self._tok.get_vocab().items())).encode()).hexdigest()
         self._identity = (
             f"hf:{Path(path).name}:vocab={self.vocab_size}:{digest[:16]}"
@@ -192,12 +193,10 @@ class HFChatTokenizer:
     ) -> tuple[list[int], list[bool]]:
         """Ids exactly as ``apply_chat_template(messages, tokenize=True)`` gives them, and
         which of them are the assistant turns' (see chat_template.py)."""
-        return hf_chat.tokenize_chat(
-            self._tok, messages, self.chat_template, only_unmask_final=only_unmask_final
-        )
+        return self._chat.tokenize(messages, only_unmask_final=only_unmask_final)
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return hf_chat.encode_prompt(self._tok, messages, self.chat_template)
+        return self._chat.encode_prompt(messages)
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))

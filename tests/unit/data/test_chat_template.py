@@ -306,3 +306,74 @@ def test_a_backend_set_to_truncate_is_not_used_as_it_is(tiny_llama):
     tok.backend_tokenizer.enable_truncation(max_length=5)
     ids, mask = hf_chat.tokenize_chat(tok, CHAT, template)
     assert ids == whole and len(ids) > 5 and any(mask)
+
+
+def _fresh(folder: str):
+    """A tokenizer of the folder no other test shares (these tests change or pickle it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_a_plain_chat_renders_as_apply_chat_template_does(folder):
+    """Plain conversations skip transformers' input conversions; the text stays its own."""
+    import random
+
+    from sft_runtime.runtime.data.demo import demo_conversation
+
+    tok, template = _fresh(folder), _ours(folder).chat_template
+    chat = hf_chat.ChatTemplate(tok, template)
+    assert chat.renders_directly
+    rng = random.Random(5)
+    odd = [
+        {"role": "user", "content": "<|eot_id|> and <|im_end|> as text, ünïcode, \n\n"},
+        {"role": "assistant", "content": ""},
+    ]
+    cases = [CHAT, NO_SYSTEM, CHAT[:4], CHAT[:1], odd]
+    cases += [demo_conversation(rng) for _ in range(20)]
+    for messages in cases:
+        for prompt in (False, True):
+            expected = hf_chat.render(tok, messages, template, add_generation_prompt=prompt)
+            assert chat.render(messages, add_generation_prompt=prompt) == expected
+
+
+def test_a_message_with_more_than_role_and_content_is_rendered_by_transformers(tiny_llama):
+    """transformers copies a reasoning field under the name templates read (and drops keys
+    set to None); such a conversation is rendered by ``apply_chat_template`` itself."""
+    tok = _fresh(str(tiny_llama))
+    template = (
+        "{%- for m in messages -%}{{- m['role'] + ': ' -}}"
+        "{%- if m.reasoning_content is defined -%}[{{ m.reasoning_content }}] {% endif -%}"
+        "{%- if m.name is defined -%}({{ m.name }}) {% endif -%}"
+        "{{- m['content'] + '\\n' -}}{%- endfor -%}"
+    )
+    chat = hf_chat.ChatTemplate(tok, template)
+    assert chat.renders_directly
+    messages = [
+        {"role": "user", "content": "hi", "name": None},
+        {"role": "assistant", "content": "hello", "reasoning": "be kind"},
+    ]
+    text = chat.render(messages)
+    assert text == hf_chat.render(tok, messages, template)
+    assert text == "user: hi\nassistant: [be kind] hello\n"
+
+
+def test_a_direct_render_that_disagrees_is_not_used(tiny_llama):
+    """Should transformers ever hand a template more than the direct render does, its own
+    rendering wins, for every conversation."""
+    tok, template = _fresh(str(tiny_llama)), _ours(str(tiny_llama)).chat_template
+    own = tok.apply_chat_template
+    tok.apply_chat_template = lambda *a, **kw: own(*a, **kw) + "<|eot_id|>"
+    chat = hf_chat.ChatTemplate(tok, template)
+    assert not chat.renders_directly
+    assert chat.render(CHAT).endswith("<|eot_id|><|eot_id|>")
+
+
+def test_a_chat_template_pickles_and_renders_directly_after(tiny_llama):
+    import pickle
+
+    tok, template = _fresh(str(tiny_llama)), _ours(str(tiny_llama)).chat_template
+    chat = hf_chat.ChatTemplate(tok, template)
+    copy = pickle.loads(pickle.dumps(chat))
+    assert copy.renders_directly
+    assert copy.tokenize(CHAT) == chat.tokenize(CHAT)
