@@ -95,13 +95,6 @@ def render(
     )
 
 
-def tokenize_chat(
-    tokenizer: Any, messages: Messages, template: str, *, only_unmask_final: bool = False
-) -> tuple[list[int], list[bool]]:
-    """`ChatTemplate.tokenize` for one conversation (a loader keeps one `ChatTemplate`)."""
-    return ChatTemplate(tokenizer, template).tokenize(messages, only_unmask_final=only_unmask_final)
-
-
 class ChatTemplate:
     """A tokenizer's chat template, set up once to render and tokenize many conversations.
 

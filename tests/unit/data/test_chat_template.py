@@ -302,9 +302,10 @@ def test_a_backend_set_to_truncate_is_not_used_as_it_is(tiny_llama):
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
     template = _ours(str(tiny_llama)).chat_template
-    whole, _ = hf_chat.tokenize_chat(tok, CHAT, template)
+    chat = hf_chat.ChatTemplate(tok, template)
+    whole, _ = chat.tokenize(CHAT)
     tok.backend_tokenizer.enable_truncation(max_length=5)
-    ids, mask = hf_chat.tokenize_chat(tok, CHAT, template)
+    ids, mask = chat.tokenize(CHAT)
     assert ids == whole and len(ids) > 5 and any(mask)
 
 
