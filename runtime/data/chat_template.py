@@ -208,7 +208,7 @@ def _plain(messages: Messages) -> bool:
     return True
 
 
-def _direct_renderer(tokenizer: Any, template: str) -> Callable[[Messages, bool], str] | None:
+def _direct_renderer(tokenizer: Any, template: str) -> Callable[..., str] | None:
     """A render of plain conversations by transformers' compiled template with the
     variables ``apply_chat_template`` passes it, or None when it cannot be had or renders
     the probe conversations otherwise."""
