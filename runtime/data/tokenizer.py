@@ -168,14 +168,19 @@ class HFChatTokenizer:
         self.bos_id: int | None = None if bos is None else int(bos)
         self.pad_id = int(self._tok.pad_token_id if self._tok.pad_token_id is not None else eos)
         self.vocab_size = len(self._tok)
-        self.chat_template = hf_chat.resolve_template(self._tok, chat_template, path=path)
-        self._chat = hf_chat.ChatTemplate(self._tok, self.chat_template)
+        template = hf_chat.resolve_template(self._tok, chat_template, path=path)
+        self._chat = hf_chat.ChatTemplate(self._tok, template)
         hf_chat.check_template(self._chat, path=path)
         digest = hashlib.sha256(str(sorted(self._tok.get_vocab().items())).encode()).hexdigest()
         self._identity = (
             f"hf:{Path(path).name}:vocab={self.vocab_size}:{digest[:16]}"
-            f":template={hf_chat.template_digest(self.chat_template)}"
+            f":template={hf_chat.template_digest(template)}"
         )
+
+    @property
+    def chat_template(self) -> str:
+        """The Jinja source that renders conversations (the spec's, else the tokenizer's)."""
+        return self._chat.template
 
     @property
     def hf_tokenizer(self) -> Any:
