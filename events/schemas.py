@@ -50,10 +50,14 @@ class StepCommitted(EventPayload):
     """An optimizer step finished on every worker and every owner committed its batch."""
 
     event_type: ClassVar[str] = "step_committed"
+    schema_version: int = 2
     step: int = Field(ge=1)
     source_samples: int = Field(ge=0)
     valid_tokens: int = Field(ge=0)
     physical_packs: int = Field(ge=0)
+    # samples over the length limit (cut or dropped) and samples the chat template refused
+    overlong_samples: int = Field(0, ge=0)
+    skipped_samples: int = Field(0, ge=0)
     loss: float
     grad_norm: float
     lr: float
@@ -126,7 +130,15 @@ VERSIONS: dict[str, int] = {
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 # (event type, version it reads) -> function returning the data at version + 1.
-UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+UPCASTERS: dict[tuple[str, int], Upcaster] = {
+    # version 1 had no sample counts: it cut overlong samples silently and never skipped one
+    ("step_committed", 1): lambda d: {
+        **d,
+        "overlong_samples": 0,
+        "skipped_samples": 0,
+        "schema_version": 2,
+    },
+}
 
 
 def current_version(type_: str) -> int:

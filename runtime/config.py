@@ -42,6 +42,22 @@ class PolicySection(PolicyConfig):
     tokenizer: TokenizerSpec = TokenizerSpec()
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _model_tokenizer(cls, raw: Any) -> Any:
+        """Under a Hugging Face model, a tokenizer block that names no tokenizer (only a
+        ``chat_template``, say) means the model's own tokenizer: the user should not have to
+        repeat the model's path to change its template."""
+        if not isinstance(raw, dict):
+            return raw
+        model, tokenizer = raw.get("model"), raw.get("tokenizer")
+        if not isinstance(model, dict) or model.get("kind") != "hf" or not model.get("hf_path"):
+            return raw
+        if isinstance(tokenizer, dict) and not {"name", "path"} & tokenizer.keys():
+            tokenizer = {"name": "huggingface", "path": model["hf_path"], **tokenizer}
+            return {**raw, "tokenizer": tokenizer}
+        return raw
+
 
 class SFTConfig(BaseModel):
     model_config = _Strict

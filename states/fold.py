@@ -84,6 +84,8 @@ def step_committed_event(
         source_samples=metrics["source_samples"],
         valid_tokens=metrics["valid_tokens"],
         physical_packs=metrics["physical_packs"],
+        overlong_samples=metrics.get("overlong_samples", 0),
+        skipped_samples=metrics.get("skipped_samples", 0),
         loss=metrics["loss"],
         grad_norm=metrics["grad_norm"],
         lr=metrics["lr"],

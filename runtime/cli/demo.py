@@ -33,6 +33,8 @@ def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 150) -> 
         },
         "data": {
             "max_input_seq_length": 128,
+            # the synthetic chats are long on purpose: train on what fits of each
+            "overlong_samples": "truncate",
             "train": {"path": str(data_dir), "virtual_epoch_length": 64},
             "energon": {"num_workers": 0, "shuffle_buffer_size": None},
         },

@@ -24,6 +24,8 @@ def _run_prepare(args: argparse.Namespace) -> int:
             val_fraction=args.val_fraction,
             skip_bad=args.skip_bad,
             seed=args.seed,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
         )
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -32,6 +34,8 @@ def _run_prepare(args: argparse.Namespace) -> int:
         f"wrote {result.num_train} train and {result.num_val} val samples in "
         f"{result.num_shards} shard(s) to {result.out_dir}"
     )
+    if args.tokenizer is not None:
+        print(f"every sample renders under the chat template of {args.tokenizer}")
     if args.skip_bad:
         lines = result.skipped_lines
         shown = ", ".join(map(str, lines[:10])) + (" ..." if len(lines) > 10 else "")
@@ -57,7 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "prepare-data",
         help="turn JSONL conversations into an energon data set",
         description="Validate every line of INPUT.jsonl ({'messages': [...]} or "
-        "{'prompt', 'response'}) and write an energon data set to OUT_DIR.",
+        "{'prompt', 'response'}) and write an energon data set to OUT_DIR. With --tokenizer, "
+        "every conversation is also rendered by that tokenizer's chat template, as training "
+        "renders it, and a line the template refuses is a bad line.",
     )
     prep.add_argument("input", metavar="INPUT.jsonl")
     prep.add_argument("out_dir", metavar="OUT_DIR")
@@ -69,6 +75,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--skip-bad", action="store_true", help="skip invalid lines instead of failing"
     )
     prep.add_argument("--seed", type=int, default=0, help="seed of the train/val assignment")
+    prep.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="Hugging Face tokenizer folder (usually the model's) whose chat template must "
+        "render every conversation",
+    )
+    prep.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja file that replaces the tokenizer's chat template "
+        "(as policy.tokenizer.chat_template does in training)",
+    )
     prep.set_defaults(func=_run_prepare)
 
     demo = subparsers.add_parser(

@@ -8,6 +8,13 @@ from pathlib import Path
 from sft_runtime.runtime.errors import UserInputError
 
 EXIT_INTERRUPTED = 130
+# The per-step sample counts the progress line shows once they are not zero.
+SAMPLE_NOTES = {"overlong_samples": "overlong", "skipped_samples": "skipped"}
+OVERLONG_OUTCOME = {
+    "mask": "cut to the limit and trained with zero weight",
+    "truncate": "cut to the limit, the tokens that remain trained",
+    "drop": "left out of their batches",
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -86,12 +93,17 @@ def _train(config, console=None) -> int:
         transient=False,
     )
     task = progress.add_task("train", total=total, info="")
+    seen = dict.fromkeys(SAMPLE_NOTES, 0)
 
     def on_step(row: dict) -> None:
         if not progress.live.is_started:
             progress.start()
         m = row.get("train", {})
         info = f"loss {m.get('loss', 0):.4f}  {m.get('valid_tokens_per_second', 0):,.0f} tok/s"
+        for key, what in SAMPLE_NOTES.items():
+            seen[key] += int(m.get(key, 0))
+            if seen[key]:
+                info += f"  {seen[key]} {what}"
         progress.update(task, completed=row["step"], info=info)
 
     def on_stop() -> None:
@@ -102,15 +114,15 @@ def _train(config, console=None) -> int:
         summary = run_training(config, on_step=on_step, on_stop_request=on_stop)
     except RunInterrupted as exc:
         progress.stop()
-        _report(console, exc.summary, run_dir)
+        _report(console, exc.summary, run_dir, config.data.overlong_samples)
         return EXIT_INTERRUPTED
     finally:
         progress.stop()
-    _report(console, summary, run_dir)
+    _report(console, summary, run_dir, config.data.overlong_samples)
     return 0
 
 
-def _report(console, summary: dict | None, run_dir: Path) -> None:
+def _report(console, summary: dict | None, run_dir: Path, overlong_policy: str = "mask") -> None:
     if summary is None:
         return
     if summary["resumed_from_step"]:
@@ -126,6 +138,16 @@ def _report(console, summary: dict | None, run_dir: Path) -> None:
             f"{summary['reason']}: {summary['steps_run']} steps, loss "
             f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
             f"{summary['total_steps']}/{summary['max_steps']} steps done"
+        )
+    if summary.get("overlong_samples"):
+        console.print(
+            f"{summary['overlong_samples']} sample(s) longer than data.max_input_seq_length: "
+            f"{OVERLONG_OUTCOME[overlong_policy]} (data.overlong_samples={overlong_policy})"
+        )
+    if summary.get("skipped_samples"):
+        console.print(
+            f"{summary['skipped_samples']} sample(s) refused by the chat template were skipped "
+            "(data.skip_bad_samples=true)"
         )
     console.print(f"events:      {run_dir / 'events.jsonl'}  (sft-runtime events {run_dir})")
     console.print(f"metrics:     {run_dir / 'metrics.jsonl'}")

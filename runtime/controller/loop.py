@@ -28,6 +28,7 @@ from sft_runtime.runtime.config import (
 )
 from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.controller.metrics import (
+    SAMPLE_COUNT_KEYS,
     SFT_V2_TEED_METRICS,
     check_envelopes,
     sample_digest,
@@ -91,6 +92,7 @@ class SFTController(ControllerTeardown):
         self._stop = threading.Event()
         self._last_metrics: dict[str, Any] = {}
         self._losses: list[float] = []
+        self._sample_counts = dict.fromkeys(SAMPLE_COUNT_KEYS, 0)
         self.log = None
         self.calls = StepCalls(self.group, actor_args.loss_fn)
         self._job = None  # the job span (each step span links to it)
@@ -272,6 +274,8 @@ class SFTController(ControllerTeardown):
             raise
         self._last_metrics = metrics
         self._losses.append(metrics["loss"])
+        for key in SAMPLE_COUNT_KEYS:
+            self._sample_counts[key] += metrics[key]
         self.metrics.log(step, metrics)
         self.instruments.record(metrics, {"attempt": self._attempt})
         if st.recording:

@@ -18,6 +18,8 @@ POLICY_TIME_KEY = "policy_time"
 TOTAL_STEP_TIME_KEY = "total_step_time"
 VALID_TOKENS_PER_SECOND_KEY = "valid_tokens_per_second"
 WORKER_TIME_KEYS = ("forward_backward_s", "allreduce_s", "optimizer_s")
+# Samples of a step that trained on nothing or less than they hold (see task_encoder.py).
+SAMPLE_COUNT_KEYS = ("overlong_samples", "skipped_samples")
 STEP_METRIC_KEYS = (
     "loss",
     "grad_norm",
@@ -25,6 +27,7 @@ STEP_METRIC_KEYS = (
     "valid_tokens",
     "source_samples",
     "physical_packs",
+    *SAMPLE_COUNT_KEYS,
     LOADER_LATENCY_MAX_KEY,
     "loader_latency_mean",
     "loader_copy_imbalance",
@@ -72,6 +75,7 @@ def step_metrics(
         "valid_tokens": valid_tokens,
         "source_samples": sum(len(e.source_ids) for e in envelopes),
         "physical_packs": sum(e.physical_packs for e in envelopes),
+        **{key: sum(getattr(e, key) for e in envelopes) for key in SAMPLE_COUNT_KEYS},
         LOADER_LATENCY_MAX_KEY: max(latencies, default=0.0),
         "loader_latency_mean": sum(latencies) / len(latencies) if latencies else 0.0,
         "loader_copy_imbalance": (max(tokens) / mean_tokens) if mean_tokens else 1.0,
@@ -154,6 +158,7 @@ def run_summary(
     losses: Sequence[float],
     checkpoints: list[int],
     run_dir: Any,
+    sample_counts: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """What `SFTController.run` returns: how the attempt ended and where the run stands."""
     return {
@@ -169,4 +174,5 @@ def run_summary(
         "last_loss": losses[-1] if losses else None,
         "checkpoints": checkpoints,
         "run_dir": str(run_dir),
+        **{key: (sample_counts or {}).get(key, 0) for key in SAMPLE_COUNT_KEYS},  # this attempt
     }

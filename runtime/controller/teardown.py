@@ -40,6 +40,7 @@ class ControllerTeardown:
     max_steps: int
     _stop: Any
     _losses: list[float]
+    _sample_counts: dict[str, int]
     _flush_by: float | None
     _attempt: int | None
     _owner_call: Any  # the controller's method: a group call joined to the current trace
@@ -119,4 +120,5 @@ class ControllerTeardown:
             losses=self._losses,
             checkpoints=self.ckpt.steps(),
             run_dir=self.run_dir,
+            sample_counts=self._sample_counts,
         ) | {"telemetry_flush_by": self._flush_by}

@@ -40,6 +40,8 @@ class SFTBatch:
     cu_seqlens: list[list[int]]
     source_ids: list[str]
     sequence_lengths: list[int]
+    overlong_ids: list[str] = field(default_factory=list)  # cut or dropped at the limit
+    refused_samples: list[tuple[str, str]] = field(default_factory=list)  # (id, message)
 
     @property
     def num_rows(self) -> int:
@@ -67,6 +69,8 @@ class SFTBatch:
             cu_seqlens=self.cu_seqlens,
             source_ids=self.source_ids,
             sequence_lengths=self.sequence_lengths,
+            overlong_ids=self.overlong_ids,
+            refused_samples=self.refused_samples,
         )
 
     def rows(self, start: int, stop: int) -> SFTBatch:
@@ -79,6 +83,8 @@ class SFTBatch:
             cu_seqlens=self.cu_seqlens[start:stop],
             source_ids=self.source_ids,
             sequence_lengths=self.sequence_lengths,
+            overlong_ids=self.overlong_ids,
+            refused_samples=self.refused_samples,
         )
 
 
@@ -91,15 +97,28 @@ def _reduce_between_processes(batch: SFTBatch) -> tuple[Any, tuple]:
     if any(getattr(batch, name).device.type != "cpu" for name in _TENSORS):
         raise TypeError("an SFTBatch on a device is not sent between processes; send it on the CPU")
     arrays = tuple(getattr(batch, name).numpy() for name in _TENSORS)
-    return _rebuild, (arrays, batch.cu_seqlens, batch.source_ids, batch.sequence_lengths)
+    lists = (batch.cu_seqlens, batch.source_ids, batch.sequence_lengths)
+    return _rebuild, (arrays, *lists, batch.overlong_ids, batch.refused_samples)
 
 
-def _rebuild(arrays: tuple, cu_seqlens: list, source_ids: list, sequence_lengths: list) -> SFTBatch:
+def _rebuild(
+    arrays: tuple,
+    cu_seqlens: list,
+    source_ids: list,
+    sequence_lengths: list,
+    overlong_ids: list,
+    refused_samples: list,
+) -> SFTBatch:
     import torch
 
     tensors = dict(zip(_TENSORS, (torch.from_numpy(a) for a in arrays), strict=True))
     return SFTBatch(
-        **tensors, cu_seqlens=cu_seqlens, source_ids=source_ids, sequence_lengths=sequence_lengths
+        **tensors,
+        cu_seqlens=cu_seqlens,
+        source_ids=source_ids,
+        sequence_lengths=sequence_lengths,
+        overlong_ids=overlong_ids,
+        refused_samples=refused_samples,
     )
 
 
@@ -121,6 +140,8 @@ class StepEnvelope:
     valid_tokens: int
     physical_packs: int
     extra: dict = field(default_factory=dict)
+    overlong_samples: int = 0  # cut or dropped at data.max_input_seq_length
+    skipped_samples: int = 0  # refused by the chat template, skipped (data.skip_bad_samples)
 
 
 class BatchSource(Protocol):

@@ -15,8 +15,14 @@ for the raw content, since templates trim, rewrite and re-render it:
 - a template with ``{% generation %}`` markers says itself which characters are the
   assistant's; transformers maps them onto the tokens (``return_assistant_tokens_mask``);
 - any other template is asked where each assistant turn starts (the render of the messages
-  before it with the generation prompt) and ends (the render including it). Both must be
-  prefixes of the whole render, or the template rewrites earlier turns and needs markers.
+  before it with the generation prompt) and ends (the render including it), which is exact
+  when both are prefixes of the whole render. Templates that re-render earlier turns once
+  later messages follow (Qwen3 drops their think blocks) are trained on as they render the
+  whole conversation, each turn as it appears there: turn_spans.py has the rules.
+
+Template variables a template reads besides the messages (Qwen3's ``enable_thinking``) come
+from ``policy.tokenizer.chat_template_kwargs`` and go into every render, as keyword
+arguments of ``apply_chat_template`` do.
 
 Character spans become tokens through the offsets of the one tokenization: a token belongs
 to a turn when its characters overlap the turn's, so merges at a boundary cannot shift it.
@@ -32,9 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from sft_runtime.runtime.data import turn_spans
+from sft_runtime.runtime.data.turn_spans import TEMPLATE_KEY, Messages, Span
 from sft_runtime.runtime.errors import UserInputError
 
-TEMPLATE_KEY = "policy.tokenizer.chat_template"
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Used to check a template once, when the tokenizer is built, rather than per sample.
 _PROBE = [
@@ -51,8 +58,13 @@ _PROBES = (
     [{"role": "system", "content": "Be brief.\n"}, *_PROBE[:2]],
 )
 
-Messages = list[dict[str, Any]]
-Span = tuple[int, int]
+# Names ``apply_chat_template`` or the render itself takes: not template variables.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt "
+    "continue_final_message tokenize sanitize_control_tokens padding truncation max_length "
+    "return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
+TemplateKwargs = dict[str, Any]
 
 
 def resolve_template(tokenizer: Any, override: str | None, *, path: str) -> str:
@@ -84,14 +96,21 @@ def has_generation_markers(template: str) -> bool:
 
 
 def render(
-    tokenizer: Any, messages: Messages, template: str, *, add_generation_prompt: bool = False
+    tokenizer: Any,
+    messages: Messages,
+    template: str,
+    *,
+    add_generation_prompt: bool = False,
+    template_kwargs: TemplateKwargs | None = None,
 ) -> str:
-    """The template's text for `messages` (no tokenization), as transformers renders it."""
+    """The template's text for `messages` (no tokenization), as transformers renders it,
+    with `template_kwargs` as template variables."""
     return tokenizer.apply_chat_template(
         messages,
         chat_template=template,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
+        **(template_kwargs or {}),
     )
 
 
@@ -109,19 +128,22 @@ class ChatTemplate:
     tokenizer's special tokens are read here: build it after they are final.
     """
 
-    def __init__(self, tokenizer: Any, template: str) -> None:
+    def __init__(
+        self, tokenizer: Any, template: str, template_kwargs: TemplateKwargs | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.template = template
+        self.template_kwargs: TemplateKwargs = dict(template_kwargs or {})
         self.marked = has_generation_markers(template)
         self.closers = _special_strings(tokenizer)
-        self._direct = _direct_renderer(tokenizer, template)
+        self._direct = _direct_renderer(tokenizer, template, self.template_kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_direct": None}  # a compiled template does not pickle
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._direct = _direct_renderer(self.tokenizer, self.template)
+        self._direct = _direct_renderer(self.tokenizer, self.template, self.template_kwargs)
 
     @property
     def renders_directly(self) -> bool:
@@ -132,7 +154,11 @@ class ChatTemplate:
         if self._direct is not None and _plain(messages):
             return self._direct(messages, add_generation_prompt=add_generation_prompt)
         return render(
-            self.tokenizer, messages, self.template, add_generation_prompt=add_generation_prompt
+            self.tokenizer,
+            messages,
+            self.template,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=self.template_kwargs,
         )
 
     def encode_prompt(self, messages: Messages) -> list[int]:
@@ -150,7 +176,7 @@ class ChatTemplate:
         """
         if self.marked:
             return _by_generation_markers(
-                self.tokenizer, messages, self.template, only_unmask_final
+                self.tokenizer, messages, self.template, only_unmask_final, self.template_kwargs
             )
         return self._by_prefix_renders(messages, only_unmask_final)
 
@@ -162,36 +188,8 @@ class ChatTemplate:
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if only_unmask_final:
             turns = turns[-1:]
-        spans = [self._assistant_span(messages, text, i) for i in turns]
+        spans = turn_spans.assistant_spans(self.render, messages, text, turns, self.closers)
         return ids, tokens_in_spans(offsets, spans)
-
-    def _assistant_span(self, messages: Messages, text: str, index: int) -> Span:
-        """Characters of assistant turn `index` in `text`: from the end of its header to the
-        end of its end-of-turn token (whitespace the template adds after that token is
-        layout)."""
-        if index == 0:
-            raise ValueError(
-                "the conversation opens with an assistant message: without {% generation %} "
-                "markers in the chat template its start cannot be told from the template's "
-                "preamble"
-            )
-        before = self.render(messages[:index], add_generation_prompt=True)
-        # the final turn's render is the whole conversation's, already at hand
-        last = index + 1 == len(messages)
-        through = text if last else self.render(messages[: index + 1])
-        for prefix in (before, through):
-            if not text.startswith(prefix):
-                raise ValueError(
-                    f"the chat template renders message {index} differently once later "
-                    f"messages follow, so its assistant turns cannot be located by prefix "
-                    f"renders; use a template with {{% generation %}} markers ({TEMPLATE_KEY})"
-                )
-        start, end = len(before), len(through)
-        body = text[start:end]
-        kept = body.rstrip()
-        if kept != body and kept.endswith(self.closers):
-            end = start + len(kept)
-        return start, max(start, end)
 
 
 _PLAIN_KEYS = frozenset({"role", "content"})
@@ -208,10 +206,13 @@ def _plain(messages: Messages) -> bool:
     return True
 
 
-def _direct_renderer(tokenizer: Any, template: str) -> Callable[..., str] | None:
+def _direct_renderer(
+    tokenizer: Any, template: str, template_kwargs: TemplateKwargs
+) -> Callable[..., str] | None:
     """A render of plain conversations by transformers' compiled template with the
-    variables ``apply_chat_template`` passes it, or None when it cannot be had or renders
-    the probe conversations otherwise."""
+    variables ``apply_chat_template`` passes it (the special tokens, then `template_kwargs`
+    over them), or None when it cannot be had or renders the probe conversations
+    otherwise."""
     try:
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -221,6 +222,9 @@ def _direct_renderer(tokenizer: Any, template: str) -> Callable[..., str] | None
     variables = dict(tokenizer.special_tokens_map)
     if not all(_strings(value) for value in variables.values()):
         return None  # transformers would turn other objects into placeholders
+    if not _json_plain(template_kwargs):
+        return None  # transformers rebuilds them out of plain types first
+    variables.update(template_kwargs)
 
     def direct(messages: Messages, *, add_generation_prompt: bool) -> str:
         return compiled.render(
@@ -234,7 +238,9 @@ def _direct_renderer(tokenizer: Any, template: str) -> Callable[..., str] | None
     for messages in _PROBES:
         for prompt in (False, True):
             if _outcome(direct, messages, prompt) != _outcome(
-                partial(render, tokenizer, template=template), messages, prompt
+                partial(render, tokenizer, template=template, template_kwargs=template_kwargs),
+                messages,
+                prompt,
             ):
                 return None
     return direct
@@ -255,8 +261,24 @@ def _strings(value: Any) -> bool:
     return type(value) is list and all(type(item) is str for item in value)
 
 
+def _json_plain(value: Any) -> bool:
+    """Whether `value` is made of exact JSON types only (what transformers hands a template
+    unchanged)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return True
+    if type(value) is list:
+        return all(_json_plain(item) for item in value)
+    if type(value) is dict:
+        return all(type(k) is str and _json_plain(v) for k, v in value.items())
+    return False
+
+
 def _by_generation_markers(
-    tokenizer: Any, messages: Messages, template: str, only_unmask_final: bool
+    tokenizer: Any,
+    messages: Messages,
+    template: str,
+    only_unmask_final: bool,
+    template_kwargs: TemplateKwargs | None = None,
 ) -> tuple[list[int], list[bool]]:
     encoded = tokenizer.apply_chat_template(
         messages,
@@ -264,6 +286,7 @@ def _by_generation_markers(
         tokenize=True,
         return_dict=True,
         return_assistant_tokens_mask=True,
+        **(template_kwargs or {}),
     )
     ids = list(encoded["input_ids"])
     mask = [bool(m) for m in encoded["assistant_masks"]]

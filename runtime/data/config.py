@@ -29,6 +29,8 @@ TokenizerConfig = TokenizerSpec
 """The ``tokenizer`` section: ``name: byte`` (default) or ``name: huggingface, path: DIR``."""
 
 PackingAlgorithm = Literal[PACKING_ALGORITHMS]  # a tuple subscript lists its members
+OverlongPolicy = Literal["mask", "truncate", "drop"]
+"""What happens to a sample longer than ``data.max_input_seq_length`` (see task_encoder.py)."""
 
 
 class _Section(BaseModel):
@@ -67,6 +69,10 @@ class DataConfig(_Section):
     train: TrainDataConfig
     energon: EnergonConfig
     validation: ValidationDataConfig | None = None
+    # NeMo RL's rule by default: cut to the limit and weighted zero (counted, reported)
+    overlong_samples: OverlongPolicy = "mask"
+    # a sample the chat template refuses stops the run (False) or is skipped and counted
+    skip_bad_samples: bool = False
 
 
 class SequencePackingConfig(_Section):
@@ -99,6 +105,8 @@ class LoaderSpec(BaseModel):
     only_unmask_final: bool = False
     virtual_epoch_length: int = Field(0, ge=0)
     tokenizer: TokenizerSpec = TokenizerSpec()
+    overlong_samples: OverlongPolicy = "mask"
+    skip_bad_samples: bool = False
 
     @model_validator(mode="after")
     def _packing_is_whole(self) -> LoaderSpec:
@@ -164,4 +172,6 @@ def build_loader_spec(
         only_unmask_final=only_unmask_final,
         virtual_epoch_length=data.train.virtual_epoch_length,
         tokenizer=tokenizer or TokenizerSpec(),
+        overlong_samples=data.overlong_samples,
+        skip_bad_samples=data.skip_bad_samples,
     )

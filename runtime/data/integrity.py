@@ -20,6 +20,21 @@ class DataSetError(UserInputError):
     """The data set on disk is damaged, empty or too small for the run."""
 
 
+class RefusedSampleError(DataSetError):
+    """The chat template refused a sample of the data set (`data.skip_bad_samples` is off)."""
+
+
+def refused_sample_error(data_path: Path, refused: list[tuple[str, str]]) -> RefusedSampleError:
+    """One line naming the first refused sample of a batch, the template's words and the fix."""
+    key, message = refused[0]
+    more = f" (and {len(refused) - 1} more in this batch)" if len(refused) > 1 else ""
+    return RefusedSampleError(
+        f"data.train.path {str(data_path)!r}: sample {key!r}{more}: the chat template refuses "
+        f"it ({message}); fix or remove it (`sft-runtime prepare-data --tokenizer DIR` checks "
+        "a data set), or set data.skip_bad_samples=true to skip such samples"
+    )
+
+
 def split_shards(data_path: Path, split: str) -> list[str]:
     """The shard names of one split, from ``.nv-meta/split.yaml``."""
     from braceexpand import braceexpand

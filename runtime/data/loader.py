@@ -30,7 +30,9 @@ from sft_runtime.runtime.data.integrity import (
     DataSetError,
     check_enough_samples,
     explain_load_error,
+    refused_sample_error,
 )
+from sft_runtime.runtime.data.quiet_progress import quiet_progress_bars
 from sft_runtime.runtime.data.tokenizer import build_tokenizer
 from sft_runtime.runtime.errors import UserInputError
 
@@ -128,6 +130,9 @@ class ColocatedLoader:
                 if spec.packing_algorithm == "balanced_greedy_knapsack"
                 else {}
             ),
+            # a saved state of a run before this key existed cut and trained overlong samples;
+            # skip_bad_samples is left out: a refused sample holds its place either way
+            **({} if spec.overlong_samples == "truncate" else {"overlong": spec.overlong_samples}),
         }
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -138,6 +143,7 @@ class ColocatedLoader:
             raise RuntimeError("setup() was already called on this loader")
         # energon asks torch's DataLoader for pinned memory, which warns on every CPU loader
         warnings.filterwarnings("ignore", message=".*pin_memory.*", category=UserWarning)
+        quiet_progress_bars()
         if not (self._data_path / ".nv-meta").is_dir():
             raise UserInputError(
                 f"data.train.path {str(self._data_path)!r}: not a prepared energon data set "
@@ -187,6 +193,7 @@ class ColocatedLoader:
             packing_algorithm=spec.packing_algorithm,
             max_sequences_per_bin=spec.max_sequences_per_bin,
             balanced_knapsack_delta=spec.balanced_knapsack_delta,
+            overlong=spec.overlong_samples,
         )
         try:
             dataset = get_train_dataset(
@@ -266,9 +273,16 @@ class ColocatedLoader:
         start = time.perf_counter()
         state_before = self._energon_state()
         batch = self._next_batch()
+        return self._activate(state_before, batch, time.perf_counter() - start)
+
+    def _activate(self, state_before: Any, batch: SFTBatch, seconds: float) -> StepEnvelope:
+        """Make `batch` the active one. A sample its template refused stops the run here,
+        with the batch active, so the abort that follows rewinds to just before it."""
         self._state_before_active = state_before
         self._active = batch
-        return self._envelope(batch, time.perf_counter() - start)
+        if batch.refused_samples and not self.spec.skip_bad_samples:
+            raise refused_sample_error(self._data_path, batch.refused_samples)
+        return self._envelope(batch, seconds)
 
     def _envelope(self, batch: SFTBatch, seconds: float) -> StepEnvelope:
         epoch_length = self.spec.virtual_epoch_length
@@ -285,6 +299,8 @@ class ColocatedLoader:
             valid_tokens=batch.valid_tokens,
             physical_packs=batch.num_rows,
             extra=extra,
+            overlong_samples=len(batch.overlong_ids),
+            skipped_samples=len(batch.refused_samples),
         )
 
     def fetch_ahead(self) -> tuple[Any, SFTBatch]:
@@ -312,9 +328,7 @@ class ColocatedLoader:
         self._require_loader()
         if self._active is not None:
             raise RuntimeError("a batch is already active: commit() or abort() it first")
-        self._state_before_active = state_before
-        self._active = batch
-        return self._envelope(batch, load_seconds)
+        return self._activate(state_before, batch, load_seconds)
 
     def state_dict_at(self, energon_state: Any) -> dict:
         """`state_dict()` with a given energon position (the state before the oldest batch

@@ -8,6 +8,11 @@ The train/val split is decided per sample (seeded), and each split gets its own 
 files, because energon's ``--split-ratio`` splits whole shards and would give an empty or
 oversized val split for small inputs; energon's own preparation then indexes the shards
 with one pattern per split.
+
+Given a Hugging Face tokenizer, every conversation is also rendered by its chat template in
+the validation pass, as training will render it: a template may refuse a record the checks
+above accept (Gemma's refuses system messages) or render no assistant turn of it, and
+training would only find out at the step that draws the sample, hours in.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
 from sft_runtime.runtime.data.records import BadRecordError, parse_line
 from sft_runtime.runtime.errors import UserInputError
+
+if TYPE_CHECKING:
+    from sft_runtime.runtime.data.tokenizer import ChatTokenizer
 
 DATASET_YAML = """\
 sample_type:
@@ -34,6 +43,9 @@ field_map:
 SPLITS = ("train", "val")
 #: Inputs larger than this many bytes get a progress bar.
 PROGRESS_MIN_BYTES = 4 * 1024 * 1024
+#: The same when a chat template renders every line, about 30 times slower than parsing it
+#: (0.15-0.23 ms against 0.007 ms per demo conversation of 180 bytes, so about 1 s per MiB).
+RENDER_PROGRESS_MIN_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -121,9 +133,10 @@ def energon_prepare(out_dir: Path, splits: Iterable[str]) -> None:
     (out_dir / ".nv-meta" / "dataset.yaml").write_text(DATASET_YAML)
 
 
-def _progress(total: int, label: str):
-    """A rich progress bar for big inputs, a no-op context otherwise."""
-    if total < PROGRESS_MIN_BYTES:
+def _progress(total: int, label: str, min_bytes: int | None = None):
+    """A rich progress bar for inputs of `min_bytes` (PROGRESS_MIN_BYTES) or more, a no-op
+    context otherwise."""
+    if total < (PROGRESS_MIN_BYTES if min_bytes is None else min_bytes):
         return contextlib.nullcontext(lambda n: None)
     from rich.progress import Progress
 
@@ -136,6 +149,62 @@ def _progress(total: int, label: str):
     return bar()
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def load_template_tokenizer(
+    path: Path | str, chat_template: Path | str | None = None
+) -> ChatTokenizer:
+    """The Hugging Face tokenizer in folder `path` (usually the model's), rendering with the
+    Jinja file `chat_template` when given, as ``policy.tokenizer.chat_template`` does in
+    training. Whatever goes wrong while loading is one `UserInputError` line."""
+    from sft_runtime.runtime.data.tokenizer import HF_TOKENIZER_FILES, HFChatTokenizer
+
+    template = None
+    if chat_template is not None:
+        try:
+            template = Path(chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserInputError(f"--chat-template {chat_template}: {_one_line(exc)}") from None
+    if not Path(path).is_dir():
+        raise UserInputError(f"--tokenizer {path}: not a directory")
+    if not any((Path(path) / name).is_file() for name in HF_TOKENIZER_FILES):
+        raise UserInputError(
+            f"--tokenizer {path}: no tokenizer files there (tokenizer.json, "
+            "tokenizer_config.json, ...)"
+        )
+    try:
+        return HFChatTokenizer(str(path), chat_template=template)
+    except UserInputError as exc:  # its messages name the training config's keys
+        hint = " (here: --chat-template FILE)" if "chat_template" in str(exc) else ""
+        raise UserInputError(_one_line(exc) + hint) from exc
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ...
+        raise UserInputError(
+            f"--tokenizer {path}: cannot load a Hugging Face tokenizer "
+            f"({type(exc).__name__}: {_one_line(exc)})"
+        ) from exc
+
+
+def render_reason(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> str | None:
+    """Why training could not learn from `messages` under `tokenizer`'s chat template, or
+    None. Renders as the task encoder does; any error of the render is the template's
+    verdict (jinja2's TemplateError from ``raise_exception``, ValueError, ...)."""
+    import jinja2
+
+    try:
+        _, supervised = tokenizer.encode_chat(messages)
+    except Exception as exc:  # noqa: BLE001 - reported as the line's reason
+        detail = _one_line(exc)
+        if not isinstance(exc, jinja2.TemplateError):
+            detail = f"{type(exc).__name__}: {detail}"
+        return f"the chat template refuses this conversation: {detail}"
+    # the task encoder never makes a sample's first token a target
+    if not any(supervised[1:]):
+        return "the chat template renders no supervised token (no assistant turn survives it)"
+    return None
+
+
 def prepare_jsonl(
     input_path: Path | str,
     out_dir: Path | str,
@@ -144,9 +213,14 @@ def prepare_jsonl(
     val_fraction: float = 0.0,
     skip_bad: bool = False,
     seed: int = 0,
+    tokenizer: Path | str | None = None,
+    chat_template: Path | str | None = None,
 ) -> PrepareResult:
     """Validate `input_path` line by line and write it as an energon data set in `out_dir`.
 
+    With `tokenizer` (a Hugging Face tokenizer folder) and optionally `chat_template` (a
+    Jinja file overriding its template), a line is also bad when that template refuses it
+    or supervises nothing in it (see `render_reason`).
     Raises `BadRecordError` (file and line) on the first bad line unless `skip_bad` is set,
     in which case the skipped line numbers are returned.
     """
@@ -156,15 +230,24 @@ def prepare_jsonl(
     if not 0.0 <= val_fraction < 1.0:
         raise UserInputError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     ensure_empty_out_dir(out_dir)
+    if chat_template is not None and tokenizer is None:
+        raise UserInputError("--chat-template needs --tokenizer (the folder it renders with)")
+    renderer = None if tokenizer is None else load_template_tokenizer(tokenizer, chat_template)
     source = str(input_path)
     total = input_path.stat().st_size
 
     good: list[int] = []
     skipped: list[int] = []
-    with _progress(total, "checking") as advance:
+    label, min_bytes = (
+        ("checking", None) if renderer is None else ("rendering", RENDER_PROGRESS_MIN_BYTES)
+    )
+    with _progress(total, label, min_bytes) as advance:
         for line_no, raw in _iter_lines(input_path, advance):
             try:
-                parse_line(raw, source=source, line_no=line_no)
+                messages = parse_line(raw, source=source, line_no=line_no)
+                reason = None if renderer is None else render_reason(renderer, messages)
+                if reason is not None:
+                    raise BadRecordError(source, line_no, reason)
             except BadRecordError:
                 if not skip_bad:
                     raise

@@ -5,6 +5,16 @@ unpacked path (one segment per row) and the packed path (several) share the batc
 loss mask follows batch.py: a token is a target when it belongs to a supervised reply and is not
 the first token of its segment, so no loss ever reads across a sample boundary.
 
+A sample longer than ``max_input_seq_length`` follows ``data.overlong_samples``: ``mask`` (NeMo
+RL's rule, the default) cuts it to the limit and weights it zero, ``truncate`` cuts it and
+trains on the supervised tokens that remain, ``drop`` leaves its tokens out. A sample the chat
+template refuses is not raised inside energon (where it would end the loader in a traceback
+from another process): it travels in the batch as a record of the error, and the loader that
+activates the batch stops the run naming it, or, with ``data.skip_bad_samples``, lets it pass.
+A dropped or skipped sample keeps its place in the batch as a single zero-weight token, so
+every rank's batch keeps its rows and the step's counts (``overlong_samples``,
+``skipped_samples``) come out of the same deterministic stream on a resume.
+
 Packing randomness (``first_fit_shuffle``) uses a private `random.Random` seeded from energon's
 per-worker seed and the pre-packing call index that energon keeps in the loader state; both are
 restored on resume, so the shuffle repeats exactly and no global RNG is touched.
@@ -32,6 +42,8 @@ class EncodedChat(Sample):
     source_ids: list
     token_ids: list
     loss_masks: list
+    overlong: list = ()  # source ids cut or dropped at the length limit
+    refused: list = ()  # [source id, the template's message] of samples it could not render
 
     @property
     def length(self) -> int:
@@ -52,6 +64,25 @@ def encode_conversation(
     return ids, mask
 
 
+def encode_sample_tokens(
+    tokenizer: ChatTokenizer,
+    messages: list[dict[str, str]],
+    *,
+    max_length: int,
+    only_unmask_final: bool,
+    overlong: str,
+) -> tuple[list[int], list[float], bool]:
+    """`encode_conversation` under an overlong policy: (ids, loss mask, was it overlong)."""
+    ids, supervised = apply_chat_template(tokenizer, messages, only_unmask_final=only_unmask_final)
+    too_long = len(ids) > max_length
+    if too_long and overlong == "drop":
+        return ids[:1], [0.0], True
+    ids, supervised = ids[:max_length], supervised[:max_length]
+    if too_long and overlong == "mask":
+        return ids, [0.0] * len(ids), True
+    return ids, [0.0] + [1.0 if s else 0.0 for s in supervised[1:]], too_long
+
+
 def collate_rows(rows: list[EncodedChat], *, pad_id: int, pad_multiple: int) -> SFTBatch:
     """Pad rows to a common length (a multiple of `pad_multiple`) and build the tensors.
 
@@ -68,7 +99,11 @@ def collate_rows(rows: list[EncodedChat], *, pad_id: int, pad_multiple: int) -> 
     cu_seqlens: list[list[int]] = []
     source_ids: list[str] = []
     lengths: list[int] = []
+    overlong: list[str] = []
+    refused: list[tuple[str, str]] = []
     for r, row in enumerate(rows):
+        overlong.extend(row.overlong)
+        refused.extend((str(key), str(message)) for key, message in row.refused)
         offsets = [0]
         for s, (ids, mask) in enumerate(zip(row.token_ids, row.loss_masks, strict=True)):
             start, n = offsets[-1], len(ids)
@@ -90,6 +125,8 @@ def collate_rows(rows: list[EncodedChat], *, pad_id: int, pad_multiple: int) -> 
         cu_seqlens=cu_seqlens,
         source_ids=source_ids,
         sequence_lengths=lengths,
+        overlong_ids=overlong,
+        refused_samples=refused,
     )
 
 
@@ -106,8 +143,10 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
         packing_algorithm: str | None = None,
         max_sequences_per_bin: int | None = None,
         balanced_knapsack_delta: int = 0,
+        overlong: str = "truncate",
     ) -> None:
         super().__init__()
+        self.overlong = overlong
         self.tokenizer = tokenizer
         self.max_input_seq_length = max_input_seq_length
         self.pad_multiple = pad_multiple
@@ -118,17 +157,34 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
 
     @stateless
     def encode_sample(self, sample: ChatSample) -> EncodedChat:
-        ids, mask = encode_conversation(
-            self.tokenizer,
-            sample.messages,
-            max_length=self.max_input_seq_length,
-            only_unmask_final=self.only_unmask_final,
-        )
-        if not any(mask):
-            # Truncation cut every supervised token: nothing to learn from this sample.
+        try:
+            ids, mask, too_long = encode_sample_tokens(
+                self.tokenizer,
+                sample.messages,
+                max_length=self.max_input_seq_length,
+                only_unmask_final=self.only_unmask_final,
+                overlong=self.overlong,
+            )
+        except Exception as exc:  # noqa: BLE001 - a template's refusal can be any type
+            # One zero-weight pad token holds the sample's place; the error rides along.
+            refusal = [sample.__key__, f"{type(exc).__name__}: {exc}"]
+            return EncodedChat.derive_from(
+                sample,
+                source_ids=[sample.__key__],
+                token_ids=[[self.tokenizer.pad_id]],
+                loss_masks=[[0.0]],
+                refused=[refusal],
+            )
+        if not any(mask) and (not too_long or self.overlong == "truncate"):
+            # Nothing to learn (truncation cut every supervised token): skipped as before.
             raise SkipSample()
         return EncodedChat.derive_from(
-            sample, source_ids=[sample.__key__], token_ids=[ids], loss_masks=[mask]
+            sample,
+            source_ids=[sample.__key__],
+            token_ids=[ids],
+            loss_masks=[mask],
+            overlong=[sample.__key__] if too_long else [],
+            refused=[],
         )
 
     def _pack_rng(self) -> random.Random:
@@ -160,6 +216,8 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
             source_ids=[sid for s in samples for sid in s.source_ids],
             token_ids=[ids for s in samples for ids in s.token_ids],
             loss_masks=[m for s in samples for m in s.loss_masks],
+            overlong=[sid for s in samples for sid in s.overlong],
+            refused=[r for s in samples for r in s.refused],
         )
 
     @stateless

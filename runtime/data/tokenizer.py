@@ -33,6 +33,8 @@ class TokenizerSpec(BaseModel):
 
     ``chat_template`` (Jinja source) replaces or supplies the Hugging Face tokenizer's chat
     template, for tokenizers that ship none or whose template does not match the model.
+    ``chat_template_kwargs`` are the template variables every render gets, as keyword
+    arguments of ``apply_chat_template`` (``{enable_thinking: false}`` for Qwen3).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -40,6 +42,7 @@ class TokenizerSpec(BaseModel):
     name: Literal["byte", "huggingface"] = "byte"
     path: str | None = None
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _path_matches_name(self) -> TokenizerSpec:
@@ -53,6 +56,38 @@ class TokenizerSpec(BaseModel):
                 "(the byte tokenizer has a fixed template)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _template_kwargs_are_variables(self) -> TokenizerSpec:
+        kwargs = self.chat_template_kwargs
+        if kwargs is None:
+            return self
+        if self.name == "byte":
+            raise ValueError(
+                f"{KWARGS_KEY} is only valid with tokenizer.name 'huggingface' (the byte "
+                "tokenizer has a fixed template)"
+            )
+        taken = sorted(set(kwargs) & hf_chat.RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(
+                f"{KWARGS_KEY}: {', '.join(taken)} are arguments of apply_chat_template "
+                "itself, not template variables"
+            )
+        try:
+            kwargs_digest(kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{KWARGS_KEY} must be plain JSON values: {exc}") from None
+        return self
+
+
+KWARGS_KEY = "policy.tokenizer.chat_template_kwargs"
+
+
+def kwargs_digest(kwargs: dict[str, Any]) -> str:
+    """A short stable digest of template variables (canonical JSON): part of the tokenizer's
+    identity, because other variables render other ids for the same conversation."""
+    text = json.dumps(kwargs, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 class ChatTokenizer(Protocol):
@@ -139,13 +174,19 @@ class ByteTokenizer:
 
 class HFChatTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (never downloads), rendering
-    conversations with its chat template or `chat_template`, which overrides it.
+    conversations with its chat template or `chat_template`, which overrides it, and
+    `chat_template_kwargs` as template variables.
 
     The template is checked once here, so a tokenizer that has none, or one that cannot
     render a user/assistant chat, fails at start-up naming ``policy.tokenizer.chat_template``.
     """
 
-    def __init__(self, path: str, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
@@ -169,18 +210,25 @@ class HFChatTokenizer:
         self.pad_id = int(self._tok.pad_token_id if self._tok.pad_token_id is not None else eos)
         self.vocab_size = len(self._tok)
         template = hf_chat.resolve_template(self._tok, chat_template, path=path)
-        self._chat = hf_chat.ChatTemplate(self._tok, template)
+        self._chat = hf_chat.ChatTemplate(self._tok, template, chat_template_kwargs)
         hf_chat.check_template(self._chat, path=path)
         digest = hashlib.sha256(str(sorted(self._tok.get_vocab().items())).encode()).hexdigest()
         self._identity = (
             f"hf:{Path(path).name}:vocab={self.vocab_size}:{digest[:16]}"
             f":template={hf_chat.template_digest(template)}"
         )
+        if chat_template_kwargs:  # none: the identity runs recorded before the variables
+            self._identity += f":template_kwargs={kwargs_digest(chat_template_kwargs)}"
 
     @property
     def chat_template(self) -> str:
         """The Jinja source that renders conversations (the spec's, else the tokenizer's)."""
         return self._chat.template
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """The template variables every render gets (a copy)."""
+        return dict(self._chat.template_kwargs)
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -233,7 +281,11 @@ def save_tokenizer(spec: TokenizerSpec | dict | None, directory: str | Path) -> 
     (written into tokenizer_config.json, template files left out, so
     ``AutoTokenizer.from_pretrained`` on the copy renders what training rendered); the byte
     tokenizer, which has no files, is described by its config and identity. Returns the
-    files written."""
+    files written.
+
+    ``chat_template_kwargs`` have no place in a tokenizer folder: transformers reads no
+    default template variables from it, so a render of the copy must be given them again.
+    They are in the checkpoint's config.yaml (``policy.tokenizer.chat_template_kwargs``)."""
     spec = TokenizerSpec.model_validate(spec or {})
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -274,7 +326,11 @@ def build_tokenizer(spec: TokenizerSpec | None = None) -> ChatTokenizer:
     if spec.name == "byte":
         return ByteTokenizer()
     assert spec.path is not None
-    return HFChatTokenizer(spec.path, chat_template=spec.chat_template)
+    return HFChatTokenizer(
+        spec.path,
+        chat_template=spec.chat_template,
+        chat_template_kwargs=spec.chat_template_kwargs,
+    )
 
 
 def apply_chat_template(

@@ -162,7 +162,9 @@ def step_samples(
         if not 0 <= rank < world:
             raise UserInputError(f"--rank {rank}: the run has logical ranks 0..{world - 1}")
     config = load_config(start.checkpoint_path / "config.yaml")
-    spec = loader_spec(config, world)
+    # A sample the template refused is shown as the place it held (the stream is the same
+    # with or without the skip), not refused again: the run that trained past it skipped it.
+    spec = loader_spec(config, world).model_copy(update={"skip_bad_samples": True})
     found = [
         read_rank(start, spec, rank, world, saved.placement_hash, states[rank]) for rank in chosen
     ]

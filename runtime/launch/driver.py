@@ -21,7 +21,7 @@ import ray
 from sft_runtime.events.log import next_attempt
 from sft_runtime.runtime.config import MasterConfig
 from sft_runtime.runtime.controller.faults import actor_fault_options, fault_point
-from sft_runtime.runtime.errors import quietly
+from sft_runtime.runtime.errors import UserInputError, quietly
 from sft_runtime.runtime.sft_v2 import SFTSingleControllerActor, setup_sft_v2
 from sft_runtime.traces.context import inject_carrier
 from sft_runtime.traces.setup import setup_telemetry
@@ -136,6 +136,18 @@ def _ask_to_stop(controller: Any) -> None:
         print(f"warning: the controller did not take the stop request: {exc}", file=sys.stderr)
 
 
+def _result(ref: Any) -> dict[str, Any]:
+    """The controller's summary. Bad input found while the run was under way (a sample the
+    chat template refuses, a damaged shard) is raised as itself, not inside Ray's wrapper,
+    whose text carries the controller's traceback: the user gets the one line it says."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, UserInputError):
+            raise exc.cause from None
+        raise
+
+
 def _drive(config, tokenizer, on_step, on_stop_request) -> dict[str, Any]:
     args = setup_sft_v2(config, tokenizer)
     controller = None
@@ -161,7 +173,7 @@ def _drive(config, tokenizer, on_step, on_stop_request) -> dict[str, Any]:
                             on_stop_request()
                     else:
                         raise KeyboardInterrupt("second signal: stopping at once")
-        summary = ray.get(ref)
+        summary = _result(ref)
         if on_step is not None:
             for row in tail.new_rows():
                 on_step(row)

@@ -167,9 +167,13 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
     with traced(SETUP_SPANS["check"]):
         _check_data_path(config)
         if config.policy.model.kind == "hf":  # the model folder first: it may hold the tokenizer
-            from sft_runtime.runtime.policy.hf_model import hf_config
+            from sft_runtime.runtime.policy.hf_files import check_hf_weights
+            from sft_runtime.runtime.policy.hf_model import hf_config, is_local
 
-            hf_config(str(config.policy.model.hf_path))
+            hf_path = str(config.policy.model.hf_path)
+            hf = hf_config(hf_path)
+            if is_local(hf_path):  # its weight files too, before any worker opens them
+                check_hf_weights(hf_path, hf)
         tokenizer = tokenizer_or_processor or build_tokenizer(config.policy.tokenizer)
         check_model_covers(config, tokenizer.vocab_size)
         probe_run_lock(run_dir)

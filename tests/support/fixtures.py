@@ -101,16 +101,23 @@ def demo_dataset(tmp_path_factory) -> Path:
     return build_demo_dataset(root / "demo", num_samples=NUM_SAMPLES)
 
 
-@pytest.fixture(scope="session")
-def demo_messages(demo_dataset) -> dict[str, list[dict[str, str]]]:
-    """The data set read straight from its tars: sample key -> messages (the ground truth)."""
+def data_set_messages(data_set: Path) -> dict[str, list[dict[str, str]]]:
+    """A prepared data set read straight from its tars: sample key -> messages (the ground
+    truth the loaders are checked against)."""
     out: dict[str, list[dict[str, str]]] = {}
-    for shard in sorted(demo_dataset.glob("*.tar")):
+    for shard in sorted(data_set.glob("*.tar")):
         with tarfile.open(shard) as tar:
             for member in tar.getmembers():
                 key, _, ext = member.name.partition(".")
                 if ext == "json":
                     out[key] = orjson.loads(tar.extractfile(member).read())["messages"]
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_messages(demo_dataset) -> dict[str, list[dict[str, str]]]:
+    """`demo_dataset`'s conversations by sample key."""
+    out = data_set_messages(demo_dataset)
     assert len(out) == NUM_SAMPLES
     return out
 
@@ -121,6 +128,7 @@ _LOADER_FIELDS = {
     "shuffle_buffer_size": 16,
     "max_input_seq_length": 96,
     "pad_multiple": 8,
+    "overlong_samples": "truncate",  # a third of the demo chats run past 96 tokens
 }
 
 

@@ -14,6 +14,15 @@ traps real templates set for SFT masking:
   ``| trim``-med, a dated system header is injected when there is no system message, and
   there are no generation markers, so assistant spans must come from prefix renders.
 - ``"none"``: the ChatML special tokens but no chat template at all.
+- ``"qwen3"``: Qwen3's stock template, verbatim (tests/support/qwen3_template.py), over the
+  ChatML special tokens plus ``<think>`` and ``</think>`` as added tokens that are not
+  special, as in Qwen3's tokenizer. It re-renders earlier assistant turns without their
+  think block once a later user message exists, and has no generation markers.
+- ``"gemma"`` (Gemma style): the template emits ``{{ bos_token }}`` (the tokenizer adds BOS
+  on plain ``encode`` too), the assistant role is rendered as ``model``, turns close with
+  ``<end_of_turn>`` (the eos, so the supervised span ends with what generation stops on),
+  no generation markers, and a system message is refused with ``raise_exception`` (the
+  record passes the data checks: only a render finds it).
 
 Everything is saved as on the hub: tokenizer files beside ``config.json`` in one folder.
 """
@@ -29,6 +38,7 @@ from typing import Any
 import torch
 
 from sft_runtime.runtime.data.demo import demo_conversation
+from tests.support.qwen3_template import QWEN3_TEMPLATE
 
 CHATML_TEMPLATE = (
     "{%- if messages[0]['role'] != 'system' -%}"
@@ -65,6 +75,23 @@ LLAMA3_TEMPLATE = (
     "{%- endif -%}"
 )
 
+GEMMA_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{{- raise_exception('System role not supported') -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant') -}}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{- '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<start_of_turn>model\\n' -}}"
+    "{%- endif -%}"
+)
+
 # The pre-tokenizer regexes of the real tokenizer.json files: Qwen2 splits digits one by one,
 # Llama 3 in groups of up to three.
 QWEN2_SPLIT = (
@@ -86,6 +113,8 @@ _LLAMA3_SPECIALS = [
     "<|end_header_id|>",
     "<|eot_id|>",
 ]
+# Gemma's ids start <pad>, <eos>, <bos>; its turn markers come later in the real vocabulary.
+_GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
 _CHATML_ROLES = {
     "bos": None,
     "eos": "<|im_end|>",
@@ -105,6 +134,22 @@ TEMPLATES: dict[str, dict[str, Any]] = {
         "class": "PreTrainedTokenizerFast",
     },
     "none": {"jinja": None, "specials": _CHATML_SPECIALS, **_CHATML_ROLES},
+    "gemma": {
+        "jinja": GEMMA_TEMPLATE,
+        "specials": _GEMMA_SPECIALS,
+        "bos": "<bos>",
+        "eos": "<end_of_turn>",
+        "pad": "<pad>",
+        "split": LLAMA3_SPLIT,
+        "class": "PreTrainedTokenizerFast",
+    },
+}
+# Qwen3's own template over the ChatML specials, with <think> and </think> added (not special).
+TEMPLATES["qwen3"] = {
+    "jinja": QWEN3_TEMPLATE,
+    "specials": _CHATML_SPECIALS,
+    "added": ["<think>", "</think>"],
+    **_CHATML_ROLES,
 }
 DEFAULT_TEMPLATE = {"llama": "llama3", "qwen2": "chatml"}
 
@@ -179,6 +224,7 @@ def train_tokenizer(
         pad_token=layout["pad"],
         clean_up_tokenization_spaces=False,
     )
+    wrapped.add_tokens(layout.get("added", []))  # not special, as Qwen3's <think>
     wrapped.chat_template = layout["jinja"]
     wrapped.save_pretrained(str(out_dir))
     config_path = Path(out_dir) / "tokenizer_config.json"

@@ -29,6 +29,7 @@ from sft_runtime.runtime.data.task_encoder import encode_conversation
 from sft_runtime.runtime.data.tokenizer import ByteTokenizer
 from sft_runtime.runtime.debug.samples import batch_samples
 from sft_runtime.runtime.launch.driver import run_training
+from tests.support.fixtures import data_set_messages
 from tests.support.small_run import small_config
 
 STEPS = 7  # checkpoints at 3 and 6 (save_period) and 7 (the end)
@@ -49,18 +50,6 @@ def run(ray_session, data_set, tmp_path_factory) -> Path:
     summary = run_training(small_config(run_dir, data_set, STEPS))
     assert summary["reason"] == "completed" and summary["total_steps"] == STEPS
     return run_dir
-
-
-def _messages(data_set: Path) -> dict[str, list[dict[str, str]]]:
-    """The data set read straight from its tars: sample key -> messages."""
-    out = {}
-    for shard in sorted(data_set.glob("*.tar")):
-        with tarfile.open(shard) as tar:
-            for member in tar.getmembers():
-                key, _, ext = member.name.partition(".")
-                if ext == "json":
-                    out[key] = orjson.loads(tar.extractfile(member).read())["messages"]
-    return out
 
 
 def _samples_json(run_dir: Path, step: int, capsys) -> list[dict]:
@@ -89,7 +78,7 @@ def _rechain(log: Path, change) -> None:
 def test_samples_are_what_the_loader_gave(run, data_set, capsys):
     rows = _samples_json(run, 5, capsys)
     logged = step_facts(run)[5].digests
-    messages, tokenizer = _messages(data_set), ByteTokenizer()
+    messages, tokenizer = data_set_messages(data_set), ByteTokenizer()
     assert [row["rank"] for row in rows] == [0, 1]
     for row in rows:
         ids = [s["source_id"] for s in row["samples"]]
@@ -180,7 +169,7 @@ def test_reproduce_finds_the_step_that_trained_on_a_changed_sample(run, data_set
     step5 = _samples_json(run, 5, capsys)
     key = next(s["source_id"] for s in step5[0]["samples"] if s["tokens"] < SEQ)
     assert key not in step4
-    reply = next(m["content"] for m in _messages(data_set)[key] if m["role"] == "assistant")
+    reply = next(m["content"] for m in data_set_messages(data_set)[key] if m["role"] == "assistant")
     shard, offset = _json_member(data_set, key)
     original = shard.read_bytes()
     at = offset + original[offset:].index(orjson.dumps(reply)) + 1  # the reply's first byte

@@ -151,3 +151,40 @@ def test_the_config_mappers_are_the_placement_plans():
     from sft_runtime.runtime.data.placement import MAPPERS
 
     assert get_args(EnergonConfig.model_fields["topology_mapper"].annotation) == MAPPERS
+
+
+def _hf_raw(tokenizer: dict | None) -> dict:
+    raw = small_raw(Path("run"), Path("data"), 3)
+    raw["policy"]["model"] = {"kind": "hf", "hf_path": "/models/tiny"}
+    if tokenizer is not None:
+        raw["policy"]["tokenizer"] = tokenizer
+    return raw
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        {"chat_template": "{{ messages }}"},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": True}},
+    ],
+)
+def test_a_tokenizer_block_that_names_no_tokenizer_is_the_models_own(block):
+    tokenizer = validate_config(_hf_raw(block)).policy.tokenizer
+    assert tokenizer.name == "huggingface" and tokenizer.path == "/models/tiny"
+    for key, value in block.items():
+        assert getattr(tokenizer, key) == value
+
+
+def test_a_tokenizer_block_that_names_another_tokenizer_keeps_it():
+    block = {"name": "huggingface", "path": "/tokenizers/other", "chat_template": "x"}
+    assert validate_config(_hf_raw(block)).policy.tokenizer.path == "/tokenizers/other"
+    with pytest.raises(UserInputError, match="policy.tokenizer.name is 'byte'"):
+        validate_config(_hf_raw({"name": "byte"}))
+
+
+def test_a_template_alone_under_the_own_model_is_still_refused():
+    raw = small_raw(Path("run"), Path("data"), 3)
+    raw["policy"]["tokenizer"] = {"chat_template": "x"}
+    with pytest.raises(UserInputError, match="chat_template is only valid"):
+        validate_config(raw)
