@@ -22,6 +22,7 @@ from sft_runtime.events.log import next_attempt
 from sft_runtime.runtime.config import MasterConfig
 from sft_runtime.runtime.controller.faults import actor_fault_options, fault_point
 from sft_runtime.runtime.errors import UserInputError, quietly
+from sft_runtime.runtime.policy.actor_exit import kill_and_wait
 from sft_runtime.runtime.sft_v2 import SFTSingleControllerActor, setup_sft_v2
 from sft_runtime.traces.context import inject_carrier
 from sft_runtime.traces.setup import setup_telemetry
@@ -182,5 +183,5 @@ def _drive(config, tokenizer, on_step, on_stop_request) -> dict[str, Any]:
         return summary
     finally:
         if controller is not None:
-            ray.kill(controller, no_restart=True)
+            kill_and_wait([controller])
         args.trainer.shutdown()

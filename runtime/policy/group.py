@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sft_runtime.runtime.controller.faults import actor_fault_options
 from sft_runtime.runtime.errors import PeerStepError, UserInputError
+from sft_runtime.runtime.policy.actor_exit import kill_and_wait
 from sft_runtime.runtime.policy.calls import Pending, Ranks, WorkerCalls
 from sft_runtime.runtime.policy.cluster import (
     create_placement_group,
@@ -208,14 +209,11 @@ class PolicyWorkerGroup(WorkerCalls):
 
     # ----------------------------------------------------------------- teardown
     def shutdown(self) -> None:
-        """Kill the actors and remove the placement group (idempotent, never raises)."""
+        """Kill the actors, wait for their processes, and remove the placement group
+        (idempotent, never raises)."""
         self._closed = True
         workers, self.workers = self.workers, []
-        for actor in workers:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - an actor already gone is fine
-                pass
+        kill_and_wait(workers)
         pg, self.placement_group = self.placement_group, None
         remove_placement_group_quietly(pg)
 

@@ -8,6 +8,7 @@ dead-worker tests reuse those groups, the latter last, since it breaks its group
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -264,7 +265,11 @@ def test_dead_worker_fails_the_step_and_shutdown_cleans_up(resumed):
     assert 1 in info.value.ranks
     actor_ids = [w._actor_id.hex() for w in group.workers]
     pg_id = group.placement_group.id.hex()
+    survivor = ray.get(group.workers[0].__ray_call__.remote(lambda _self: os.getpid()))
     group.shutdown()
+    # gone when shutdown returns: a driver that exits next must not find it standing (its
+    # Ray would SIGTERM it, and the worker would print a traceback under a good run)
+    assert not _process_alive(survivor)
     group.shutdown()  # idempotent
     assert placement_group_table()[pg_id]["state"] == "REMOVED"
     assert _eventually(lambda: all(_actor_state(a) == "DEAD" for a in actor_ids))
@@ -274,6 +279,14 @@ def test_dead_worker_fails_the_step_and_shutdown_cleans_up(resumed):
 
 def _live_placement_groups() -> set[str]:
     return {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _actor_state(actor_id: str) -> str:
