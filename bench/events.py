@@ -15,6 +15,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import pick  # noqa: E402
 from bench.table import Row, render  # noqa: E402
 from sft_runtime.events import LoadersReady, RunStarted, StepCommitted, open_log, read_log  # noqa: E402
 from sft_runtime.states import replay  # noqa: E402
@@ -64,9 +65,15 @@ def _replay(path: Path, steps: int) -> float:
     return secs
 
 
-def run(records: int = 1_000_000, appends: int = 100_000, durable: int = 2_000) -> list[dict]:
+RECORDS = pick(1_000_000, 2_000)
+APPENDS = pick(100_000, 1_000)
+DURABLE = pick(2_000, 50)
+
+
+def run(records: int = RECORDS, appends: int = APPENDS, durable: int = DURABLE) -> list[dict]:
     rows = []
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+    # full: fsync on the disk the repository is on; smoke: the system's temporary folder
+    with tempfile.TemporaryDirectory(dir=pick(Path.cwd(), None)) as tmp:
         plain_dir, durable_dir, big_dir = Path(tmp, "plain"), Path(tmp, "durable"), Path(tmp, "big")
         secs = _append(plain_dir, appends, durable=False)
         rows.append(Row(f"append ({appends:,} records, no fsync)", appends / secs, "records/s"))
@@ -97,8 +104,8 @@ def run(records: int = 1_000_000, appends: int = 100_000, durable: int = 2_000) 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--records", type=int, default=1_000_000)
-    parser.add_argument("--appends", type=int, default=100_000)
-    parser.add_argument("--durable", type=int, default=2_000)
+    parser.add_argument("--records", type=int, default=RECORDS)
+    parser.add_argument("--appends", type=int, default=APPENDS)
+    parser.add_argument("--durable", type=int, default=DURABLE)
     a = parser.parse_args()
     print(render(run(a.records, a.appends, a.durable)))

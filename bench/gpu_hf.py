@@ -5,8 +5,9 @@ The model is built from its config (random weights, nothing downloaded) and save
 model folder with a BPE tokenizer trained offline; the data is the demo chat set, packed into
 rows of ``--seq`` tokens. sft-runtime trains it with ``policy.parallel.fsdp`` (param bf16,
 reduce fp32, activation checkpointing) over ``--gpus`` workers; the plain loop is one process
-per GPU (NCCL) with the same `fully_shard` layout, AdamW and micro-batching, fed the very
-batches the runtime's loaders yield (written beforehand, so it does no loading).
+per GPU (NCCL) with the same `fully_shard` layout, packed-row attention (`hf_logits`), AdamW
+and micro-batching, fed the very batches the runtime's loaders yield (written beforehand,
+so it does no loading).
 
 Printed per side: tokens/s (every token of a row, padding included, as MFU counts them), MFU
 (model FLOPs including attention over the device's peak bf16 FLOPs), peak GPU memory, and the
@@ -135,9 +136,8 @@ def plain_rank(rank: int, world: int, port: int, job: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
 
-    from sft_runtime.runtime.policy.hf_model import packed_attention_mask
+    from sft_runtime.runtime.policy.hf_model import hf_logits, load_hf_model
 
     cuda = not job["smoke"]
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -147,8 +147,9 @@ def plain_rank(rank: int, world: int, port: int, job: dict) -> None:
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=torch.float32).to(device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # the runtime's own packed-row attention: the two sides differ in the runtime, not the kernel
+    model = load_hf_model(job["folder"]).to(device)
+    model.activation_checkpointing_enable({"use_reentrant": False})
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -163,13 +164,7 @@ def plain_rank(rank: int, world: int, port: int, job: dict) -> None:
         dist.all_reduce(tokens)
         for s in range(0, batch.num_rows, job["micro"]):
             mb = batch.rows(s, s + job["micro"])
-            mask = packed_attention_mask(mb.segment_ids, torch.float32)
-            logits = model(
-                input_ids=mb.input_ids,
-                position_ids=mb.position_ids.clamp(min=0),
-                attention_mask=mask,
-                use_cache=False,
-            ).logits
+            logits = hf_logits(model, mb.input_ids, mb.position_ids, mb.segment_ids)
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             nll = -logp.gather(-1, mb.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
             (nll * mb.loss_mask[:, 1:]).sum().div(tokens).backward()

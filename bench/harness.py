@@ -29,10 +29,24 @@ ROOT = Path(__file__).resolve().parents[1]
 if not __package__:  # run as a script: make `bench` importable
     sys.path.insert(0, str(ROOT))
 
+# Smoke mode (`bench/run_all.py --smoke`, which sets this for its children): every benchmark
+# runs through the same code with tiny sizes, few steps and one round, to show that it runs
+# and prints its rows; its figures mean nothing and no target is enforced. Read here only.
+SMOKE_ENV = "SFT_BENCH_SMOKE"
+SMOKE = os.environ.get(SMOKE_ENV) == "1"
+
+
+def pick(full, smoke):
+    """``full`` in a real run, ``smoke`` in smoke mode (`SMOKE`)."""
+    return smoke if SMOKE else full
+
+
 WARMUP = 4  # committed steps treated as startup
-STEPS = 22  # steps per measured run (checkpoints at 10 and 20)
-ROUNDS = 2
-OVERHEAD_ROUNDS = 3  # the headline ratio: one more round against this machine's noise
+STEPS = pick(22, WARMUP + 3)  # steps per measured run (full: checkpoints at 10 and 20)
+SAVE_PERIOD = pick(10, 3)  # checkpointing.save_period (smoke: saves inside its few steps)
+ROUNDS = pick(2, 1)
+OVERHEAD_ROUNDS = pick(3, 1)  # the headline ratio: one more round against this machine's noise
+SAMPLES = pick(4096, 1024)  # demo samples in a `workspace` data set
 SEED = 5
 OVERHEAD_TARGET = 1.10
 RESUME_TARGET = 1.2
@@ -86,7 +100,7 @@ def raw_config(
             "num_threads_per_worker": 1,
             "call_timeout_s": 300,
         },
-        "checkpointing": {"enabled": True, "save_period": 10},
+        "checkpointing": {"enabled": True, "save_period": SAVE_PERIOD},
         "data_plane": {"max_partitions": prefetch},
         "telemetry": {"enabled": True, "exporters": ["jaeger_file"]},
     }
@@ -263,12 +277,16 @@ def row(name, value, unit, reference=None, target=None, ok=None, ratio=None) -> 
 
 
 @contextmanager
-def workspace(*, ray: bool = True, samples: int = 4096) -> Iterator[tuple[Path, Path]]:
+def workspace(*, ray: bool = True, samples: int = SAMPLES) -> Iterator[tuple[Path, Path]]:
     """(data set, scratch folder) for one benchmark; Ray started here when ``ray``."""
     from sft_runtime.runtime.data.demo import build_demo_dataset
 
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
+    # any Ray started meanwhile (here, by a run, by an `sft-runtime train` child) keeps its
+    # session files in there too, and they go with it: nothing shared in /tmp/ray
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(tmp / "ray")
     try:
         data = build_demo_dataset(tmp / "data", num_samples=samples, seed=0)
         if ray:
@@ -279,6 +297,10 @@ def workspace(*, ray: bool = True, samples: int = 4096) -> Iterator[tuple[Path, 
 
         if ray_module.is_initialized():
             ray_module.shutdown()
+        if before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = before
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -55,19 +55,23 @@ from bench import interleave as il  # noqa: E402
 from bench.plain_loop import plain_run, pretokenize  # noqa: E402
 
 TARGET = 1.05
-ROUNDS = 4
+ROUNDS = h.pick(4, 1)
 # Checkpoints at 10, 20 and 30 inside the timed window (as often as a run saves them); a
-# longer window than `h.STEPS` also evens out the machine's short slow spells.
-STEPS = 32
+# longer window than `h.STEPS` also evens out the machine's short slow spells. Smoke: one
+# save (`h.SAVE_PERIOD`) inside the window.
+STEPS = h.pick(32, h.WARMUP + 3)
 WORLD = 1
 # The test folder's Llama (hidden 64) is so small that fixed costs would rule its step; this
 # one takes about 200 ms a step on one core here.
-LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+LLAMA = h.pick(
+    {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2},
+    {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1},
+)
 SHAPE = {**h.COMPUTE, "packing": False}  # the plain HF forward takes one sample per row
 # Two forwards that differ only in how they mask padding differ by float rounding at most.
 LOSS_TOLERANCE = 1e-4
-BUSY_ROUNDS = 2
-TURN_ROUNDS = 10  # even: each side goes first on the batches in half of them
+BUSY_ROUNDS = h.pick(2, 1)
+TURN_ROUNDS = h.pick(10, 1)  # even: each side goes first on the batches in half of them
 # A loader's work without the loader: the model's tokenizer renders and tokenizes a chat over
 # and over, in a process of its own, until it is killed.
 BUSY_LOOP = """

@@ -41,25 +41,29 @@ def run() -> list[dict]:
     return rows
 
 
+SAVED = h.SAVE_PERIOD  # the step resumed from (full: 10)
+END = SAVED + 2  # both runs end here (full: 12)
+
+
 def resume_bench(data: Path, tmp: Path) -> tuple[list[float], list[float], dict]:
     """Cold start vs resume from step 10, alternating; first-step latencies and peak RSS."""
     import yaml
 
     prepared = tmp / "resume-base"
-    base_raw = h.raw_config(h.COMPUTE, data, prepared, 10)
-    h.runtime_run(base_raw)  # leaves a checkpoint at step 10
+    base_raw = h.raw_config(h.COMPUTE, data, prepared, SAVED)
+    h.runtime_run(base_raw)  # leaves a checkpoint at step 10 (smoke: `h.SAVE_PERIOD`)
     cold, warm, rss = [], [], {}
     for i in range(h.ROUNDS):
         cold_dir = tmp / f"cold-{i}"
         cfg = tmp / f"cold-{i}.yaml"
-        cfg.write_text(yaml.safe_dump(h.raw_config(h.COMPUTE, data, cold_dir, 12)))
+        cfg.write_text(yaml.safe_dump(h.raw_config(h.COMPUTE, data, cold_dir, END)))
         out = h.cli_run(cfg, cold_dir)
         cold.append(out["first_step_s"])
         rss = out["rss"]
         warm_dir = tmp / f"warm-{i}"
         shutil.copytree(prepared, warm_dir)
         cfg = tmp / f"warm-{i}.yaml"
-        cfg.write_text(yaml.safe_dump(h.raw_config(h.COMPUTE, data, warm_dir, 12)))
+        cfg.write_text(yaml.safe_dump(h.raw_config(h.COMPUTE, data, warm_dir, END)))
         warm.append(h.cli_run(cfg, warm_dir)["first_step_s"])
     return cold, warm, rss
 

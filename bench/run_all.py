@@ -4,10 +4,16 @@ Each benchmark module exposes ``run() -> list[dict]`` of rows measured side by s
 their reference in the same run; this script only gathers and prints them. Each runs in a
 fresh Python process, so what one leaves behind (a 1 GB heap, a global tracer provider, page
 cache being written back) does not weigh on the next.
+
+``--smoke`` runs every benchmark through the same code with tiny sizes, few steps and one
+round (`bench.harness.SMOKE`, set for the children through the environment), to show that
+each still runs and prints its rows; its figures mean nothing, so bench/RESULTS.md is left
+alone. Either way the exit status is 1 when a benchmark failed or gave no rows.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -22,6 +28,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # energon's buffer-filling progress 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import harness  # noqa: E402
 from bench.table import render  # noqa: E402
 
 BENCHMARKS = [
@@ -31,6 +38,7 @@ BENCHMARKS = [
     "tracing",
     "overhead",
     "hf_step",
+    "packed_attention",
     "prefetch",
     "scaling",
     "resume",
@@ -39,30 +47,40 @@ BENCHMARKS = [
 MARK = "bench-rows: "
 
 
-def main() -> int:
+def main(smoke: bool = False) -> int:
+    if smoke:
+        os.environ[harness.SMOKE_ENV] = "1"  # read by bench.harness in each child
+    smoke = smoke or harness.SMOKE
     sections, failed = [], []
     for name in BENCHMARKS:
         if not (ROOT / "bench" / f"{name}.py").exists():
             continue
         print(f"== bench/{name}.py", flush=True)
+        start = time.monotonic()
         done = subprocess.run(
             [sys.executable, __file__, "--one", name], stdout=subprocess.PIPE, text=True
         )
-        if done.returncode:  # one broken benchmark must not hide the others
+        took = time.monotonic() - start
+        marked = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+        rows = json.loads(marked[-1][len(MARK) :]) if marked else []
+        if done.returncode or not rows:  # one broken benchmark must not hide the others
+            why = f"exit code {done.returncode}" if done.returncode else "no rows"
+            print(f"bench/{name}.py failed ({why}) after {took:.1f} s", flush=True)
             failed.append(name)
             continue
-        marked = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
-        rows = json.loads(marked[-1][len(MARK) :])
         table = render(rows)
         print(table, flush=True)
+        print(f"bench/{name}.py took {took:.1f} s", flush=True)
         sections.append(f"## bench/{name}.py\n\n```\n{table}\n```\n")
-    header = (
-        f"# Benchmark results\n\nDate: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  \n"
-        f"Machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, "
-        f"Python {platform.python_version()}  \nCommand: `make bench`\n\n"
-        "Ratios compare figures measured side by side in the same run.\n\n"
-    )
-    (ROOT / "bench" / "RESULTS.md").write_text(header + "\n".join(sections))
+    if not smoke:
+        header = (
+            f"# Benchmark results\n\n"
+            f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  \n"
+            f"Machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, "
+            f"Python {platform.python_version()}  \nCommand: `make bench`\n\n"
+            "Ratios compare figures measured side by side in the same run.\n\n"
+        )
+        (ROOT / "bench" / "RESULTS.md").write_text(header + "\n".join(sections))
     if failed:
         print(f"benchmarks that failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
@@ -82,4 +100,10 @@ def one(name: str) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--one"]:
         sys.exit(one(sys.argv[2]))
-    sys.exit(main())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, few steps, one round: check that every benchmark runs (no RESULTS.md)",
+    )
+    sys.exit(main(smoke=parser.parse_args().smoke))

@@ -1,4 +1,4 @@
-"""Step time over 1, 2 and 4 DP workers (0.5 CPU each), the plain loop alongside."""
+"""Step time over 1, 2 and 4 DP workers (0.5 CPU each), the plain loop alongside (smoke: 1, 2)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ def run() -> list[dict]:
         return _scaling(data, tmp)
 
 
+WORLDS = h.pick((1, 2, 4), (1, 2))  # DP sizes
+
+
 def _scaling(data: Path, tmp: Path) -> list[dict]:
     rows = []
-    for world in (1, 2, 4):
+    for world in WORLDS:
         raw = h.raw_config(
             h.COMPUTE, data, tmp / f"e-{world}", h.STEPS // 2 + h.WARMUP, world=world
         )

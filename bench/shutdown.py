@@ -27,8 +27,8 @@ from bench import harness as h  # noqa: E402
 
 BOUND_S = 2.0
 MARGIN_S = 1.5
-ROUNDS = 2
-STEPS = 6
+ROUNDS = h.pick(2, 1)
+STEPS = h.pick(6, 3)
 
 
 def _config(data: Path, run_dir: Path, endpoint: str | None) -> Path:

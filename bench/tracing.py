@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,10 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import pick  # noqa: E402
 from bench.table import Row, render  # noqa: E402
 
 CHILDREN = ("load", "owner_call", "begin", "train", "finish", "metrics", "commit", "append")
 WORK_S = 0.040
+STEPS = pick(100, 5)
+SPANS = pick(5_000, 200)
+BARE_STEPS = pick(500, 20)  # steps with no work, for the tracing cost alone
 
 
 def _child(mode: str, steps: int, spans: int) -> dict:
@@ -60,7 +65,7 @@ def _child(mode: str, steps: int, spans: int) -> dict:
             one_step(step, per_child)
             times.append(time.perf_counter() - t0)
         # the same step with no work: what tracing itself costs per step (warm caches)
-        bare_steps = 500
+        bare_steps = BARE_STEPS
         t0 = time.perf_counter()
         for step in range(bare_steps):
             one_step(step, 0.0)
@@ -76,6 +81,7 @@ def _child(mode: str, steps: int, spans: int) -> dict:
     shutdown_s = time.perf_counter() - t0
     parts = list((run_dir / "traces").rglob("*.jsonl"))
     size = sum(p.stat().st_size for p in parts)
+    shutil.rmtree(run_dir, ignore_errors=True)
     return {
         "median_step_s": statistics.median(times),
         "bare_step_us": bare_step_us,
@@ -118,7 +124,7 @@ def _spawn_both(steps: int, spans: int) -> tuple[dict, dict]:
     return results[0], results[1]
 
 
-def run(steps: int = 100, spans: int = 5_000) -> list[dict]:
+def run(steps: int = STEPS, spans: int = SPANS) -> list[dict]:
     off, on = _spawn_both(steps, spans)
     step_ratio = on["median_step_s"] / off["median_step_s"]
     per_step_bytes = on["bytes"] * (len(CHILDREN) + 1) / on["span_total"]
@@ -160,8 +166,8 @@ def run(steps: int = 100, spans: int = 5_000) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--spans", type=int, default=5_000)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--spans", type=int, default=SPANS)
     parser.add_argument("--child", choices=["on", "off"], default=None)
     args = parser.parse_args()
     if args.child:

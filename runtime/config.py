@@ -179,6 +179,13 @@ class MasterConfig(BaseModel):
                 "data.energon.packing_buffer_size is set but policy.sequence_packing.enabled is "
                 "false: enable packing or remove the buffer size"
             )
+        model = policy.model
+        if packing.enabled and model.kind == "hf" and model.attn_implementation == "eager":
+            raise ValueError(
+                "policy.model.attn_implementation 'eager' would hold a T x T mask per packed "
+                "row: use 'sdpa' (packed samples attend to themselves only, no mask) or set "
+                "policy.sequence_packing.enabled=false"
+            )
         pad = policy.make_sequence_length_divisible_by
         if packing.enabled and data.max_input_seq_length % pad:
             raise ValueError(

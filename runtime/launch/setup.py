@@ -174,6 +174,10 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
             hf = hf_config(hf_path)
             if is_local(hf_path):  # its weight files too, before any worker opens them
                 check_hf_weights(hf_path, hf)
+            if config.policy.sequence_packing.enabled:
+                from sft_runtime.runtime.policy.packed_attention import check_packed_attention
+
+                check_packed_attention(hf, hf_path)
         tokenizer = tokenizer_or_processor or build_tokenizer(config.policy.tokenizer)
         check_model_covers(config, tokenizer.vocab_size)
         probe_run_lock(run_dir)

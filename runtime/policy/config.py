@@ -34,7 +34,8 @@ class ModelConfig(BaseModel):
     max_seq_len: int = Field(128, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     hf_path: str | None = None  # kind "hf": a local model folder or a hub id
-    # kind "hf": how attention runs; both keep packed samples apart exactly (see hf_model.py)
+    # kind "hf": how attention runs. sdpa runs packed rows a sample at a time with no mask
+    # (packed_attention.py); eager is for unpacked rows only (packing refuses it)
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 
     @model_validator(mode="after")

@@ -52,8 +52,8 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass."""
     if hasattr(model, "checkpoint_blocks"):
         model.checkpoint_blocks = True
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
     else:
         raise ValueError(
             f"policy.parallel.activation_checkpointing: {type(model).__name__} offers none"

@@ -8,11 +8,12 @@ adds lives in functions around it:
   training dtype is the config's (`policy.precision`), and a float32 master copy is what
   AdamW needs. A folder whose weights do not cover the model is refused: transformers would
   fill the gap with fresh random weights and only warn.
-- `hf_logits` runs packed rows: a float (batch, 1, T, T) mask that is causal inside each
-  sample and closed between samples, and positions that restart per sample, so a packed
-  sample's logits are those of the sample alone (with SDPA and eager attention alike). Rows
-  of one sample each take the usual 2-D padding mask instead: transformers then runs its own
-  causal path (no mask at all when nothing is padded), as cheap as a plain loop's forward.
+- `hf_logits` runs packed rows through `packed_attention` (the model is loaded with it for
+  SDPA): the rows laid end to end, attention once per sample, no T x T tensor anywhere, and
+  positions that restart per sample, so a packed sample's logits are those of the sample
+  alone. Rows of one sample each take transformers' own causal path. A model loaded with
+  eager attention (only ever unpacked in a run; the config refuses eager with packing)
+  still takes `packed_attention_mask`, the dense reference the tests hold the new path to.
 - `hf_state_dict` drops tied duplicates (the LM head that *is* the embedding), as
   `save_pretrained` does, and `write_hf_config` adds ``config.json`` and
   ``generation_config.json``, so a checkpoint's weights folder is a model folder.
@@ -28,6 +29,14 @@ import torch
 from torch import nn
 
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy.packed_attention import (
+    PACKED_ATTENTION,
+    SEGMENTS_KWARG,
+    PackedSegments,
+    packed_forward,
+    register_packed_attention,
+    segment_bounds,
+)
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -57,11 +66,14 @@ def hf_config(path: str) -> Any:
 
 
 def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
-    """The pretrained model in float32, every weight from the folder (see module docstring)."""
+    """The pretrained model in float32, every weight from the folder (see module docstring).
+    SDPA is loaded as `PACKED_ATTENTION`, which is SDPA itself for rows of one sample."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per worker per load is noise in a run's log
+    if attn_implementation == "sdpa":
+        attn_implementation = register_packed_attention()
     model, info = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=torch.float32,
@@ -101,17 +113,36 @@ def hf_logits(
 ) -> torch.Tensor:
     """Logits (batch, T, vocab) of packed rows, each sample attending to itself only;
     ``packed=False`` when no row holds more than one sample (padding only at row ends)."""
+    positions = position_ids.clamp(min=0)
+    if packed and model.config._attn_implementation == PACKED_ATTENTION:
+        return _segmented_logits(model, input_ids, positions, segment_bounds(segment_ids))
     if packed:
         mask = packed_attention_mask(segment_ids, torch.float32)
     else:
         mask = (segment_ids >= 0).long()
-    out = model(
-        input_ids=input_ids,
-        position_ids=position_ids.clamp(min=0),
-        attention_mask=mask,
-        use_cache=False,
-    )
+    out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=False)
     return out.logits
+
+
+def _segmented_logits(
+    model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, segments: PackedSegments
+) -> torch.Tensor:
+    """The rows as one sequence of segments (see `packed_attention`), back in rows after."""
+    batch, width = input_ids.shape
+    with packed_forward():
+        out = model(
+            input_ids=input_ids.reshape(1, -1),
+            position_ids=positions.reshape(1, -1),
+            use_cache=False,
+            **{SEGMENTS_KWARG: segments},
+        )
+    if not segments.taken:
+        raise RuntimeError(
+            f"{type(model).__name__} ran without calling its attention through transformers' "
+            "interface, so packed samples could see each other: set "
+            "policy.sequence_packing.enabled=false"
+        )
+    return out.logits.reshape(batch, width, -1)
 
 
 def own_names(model: nn.Module) -> list[str]:

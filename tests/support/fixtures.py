@@ -306,11 +306,13 @@ HF_STEPS = 5  # of `hf_reference`: checkpoints at 2, 4 and the final 5
 
 
 def hf_overrides(folder: Path) -> tuple[str, ...]:
-    """The small run's config on a Hugging Face model folder."""
+    """The small run's config on a Hugging Face model folder, packed as `examples/hf.yaml`
+    is (so exact resume and FSDP are proven on the packed attention path)."""
     return (
         "policy.model.kind=hf",
         f"policy.model.hf_path={folder}",
         "data.max_input_seq_length=128",
+        "policy.sequence_packing.enabled=true",
         "policy.optimizer.lr=1e-3",
         "checkpointing.save_period=2",
     )

@@ -53,6 +53,14 @@ def test_the_attention_implementation_is_a_checked_key(model_only):
         validate_config(raw)
 
 
+def test_eager_attention_with_packing_is_refused_naming_both_keys(model_only):
+    raw = _raw(model_only, sequence_packing={"enabled": True})
+    assert validate_config(raw).policy.model.attn_implementation == "sdpa"  # the default packs
+    raw["policy"]["model"]["attn_implementation"] = "eager"
+    with pytest.raises(UserInputError, match=r"attn_implementation 'eager'.*sequence_packing"):
+        validate_config(raw)
+
+
 def test_vocabulary_and_positions_must_cover_tokenizer_and_rows(model_only):
     config = validate_config(_raw(model_only))  # max_input_seq_length 64 = the positions
     check_model_covers(config, 97)

@@ -1,0 +1,75 @@
+"""Every benchmark in bench/ still runs: `make bench`'s own script in smoke mode (tiny sizes,
+few steps), so a moved file or a changed API breaks this test rather than `make bench`.
+
+What is checked is that each benchmark ran to the end and printed its rows, never a time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+from bench.run_all import BENCHMARKS  # noqa: E402
+
+# bench/ modules that are not benchmarks of `make bench`, each with why
+NOT_BENCHMARKS = {
+    "__init__",
+    "harness",  # shared helpers
+    "table",  # the row and its table
+    "plain_loop",  # the reference loop the benchmarks run
+    "interleave",  # the in-turns runner of hf_step
+    "run_all",  # this runner
+    "gpu_hf",  # needs a GPU for its figures; its CPU smoke mode is run below
+}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "OTEL_"))}
+    env["RAY_AUTH_MODE"] = "disabled"
+    return env
+
+
+def test_every_bench_module_is_a_benchmark_of_make_bench_or_named_as_not():
+    modules = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert modules - NOT_BENCHMARKS == set(BENCHMARKS)
+
+
+def test_make_bench_runs_every_benchmark_in_smoke_mode_and_leaves_results_alone():
+    results = ROOT / "bench" / "RESULTS.md"
+    before = results.read_bytes()
+    done = subprocess.run(
+        [sys.executable, "bench/run_all.py", "--smoke"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    out = done.stdout
+    assert done.returncode == 0, out[-4000:] + done.stderr[-4000:]
+    for name in BENCHMARKS:
+        section = out.split(f"== bench/{name}.py\n", 1)
+        assert len(section) == 2, f"bench/{name}.py did not run"
+        table = section[1].split("\n== bench/", 1)[0]
+        assert "figure" in table.splitlines()[0], f"bench/{name}.py printed no table"
+        assert f"bench/{name}.py took" in table, table
+    assert results.read_bytes() == before, "a smoke run must not overwrite bench/RESULTS.md"
+
+
+def test_the_gpu_benchmark_runs_on_cpu_in_smoke_mode():
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_hf.py", "--smoke"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    for side in ("plain FSDP2 loop", "sft-runtime", "ratio sft-runtime / plain"):
+        assert side in done.stdout, done.stdout
