@@ -64,14 +64,16 @@ class Replica:
         self.device = device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # same initial weights on every rank
-            self.model = build_model(policy.model)
+            self.model = build_model(policy.model, sharded=policy.parallel.fsdp)
         if not policy.parallel.fsdp:
             self.model.to(device)
-        # sharded, the model waits in host memory: `fully_shard` moves one layer at a time to
-        # the device and keeps only this rank's slice there, so no device ever holds it whole
+        # sharded, the model waits in host memory (a pretrained one as a skeleton with no
+        # parameter storage, `hf_shards`): `fully_shard` keeps only this rank's slice of each
+        # parameter, so neither the host nor a device ever holds it whole
         if policy.parallel.activation_checkpointing:
             fsdp.enable_activation_checkpointing(self.model)
         self.sharded = False
+        self.start_read: dict[str, int] | None = None  # elements of the model read at start
         self._make_optimizer()
         self.steps_done = 0
         self._open: _OpenStep | None = None
@@ -94,6 +96,11 @@ class Replica:
             raise RuntimeError("shard the replica before its first step")
         mesh = fsdp.build_mesh(self.policy.parallel, world_size, self.device)
         fsdp.shard_model(self.model, self.policy.parallel, mesh)
+        if any(p.is_meta for p in self.model.parameters()):  # a skeleton: read our slices
+            from sft_runtime.runtime.policy.hf_shards import fill_from_folder
+
+            assert self.policy.model.hf_path is not None
+            self.start_read = fill_from_folder(self.model, self.policy.model.hf_path, self.device)
         self.sharded = True
         self._make_optimizer()
 
@@ -316,8 +323,13 @@ class Replica:
         fsdp.load_sharded_state(self.model, self.optimizer if optimizer_path else None, state)
 
     def local_storage(self) -> dict[str, int]:
-        """Elements of parameters, gradients and optimizer state this rank holds."""
-        return fsdp.local_storage(self.model, self.optimizer)
+        """Elements of parameters, gradients and optimizer state this rank holds, and of the
+        model it read from the folder at a sharded start (``start_read_*``)."""
+        storage = fsdp.local_storage(self.model, self.optimizer)
+        if self.start_read is not None:
+            storage["start_read_local"] = self.start_read["elements_read"]
+            storage["start_read_full"] = self.start_read["elements_whole"]
+        return storage
 
     # ----------------------------------------------------------------- helpers
     def _require_open(self, phase: str) -> _OpenStep:

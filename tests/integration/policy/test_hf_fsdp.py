@@ -15,6 +15,7 @@ import torch
 from sft_runtime.runtime.checkpoint.sharded import consolidate, is_sharded
 from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.launch.driver import run_training
+from sft_runtime.runtime.policy.group import PolicyWorkerGroup
 from sft_runtime.runtime.policy.hf_model import hf_logits, load_hf_model, load_hf_state_dict
 from tests.support.fixtures import HF_STEPS, hf_overrides
 from tests.support.reliability import committed
@@ -30,6 +31,23 @@ def sharded_run(ray_session, demo_data, tiny_llama, tmp_path_factory) -> Path:
     summary = run_training(config)
     assert summary["reason"] == "completed" and summary["total_steps"] == HF_STEPS
     return run_dir
+
+
+def test_a_sharded_group_reads_only_its_half_of_the_pretrained_model(
+    ray_session, demo_data, tiny_llama, tmp_path
+):
+    """The run's own path (a worker group from the run's config) starts from the meta-device
+    skeleton: each rank reads about half of the model's elements and together exactly all."""
+    config = small_config(tmp_path / "run", demo_data, 1, *hf_overrides(tiny_llama), *SHARDED)
+    group = PolicyWorkerGroup(config.policy, config.cluster, seed=0, name="test-hf-start")
+    try:
+        storage = group.local_storage()
+    finally:
+        group.shutdown()
+    whole = storage[0]["start_read_full"]
+    assert whole == sum(p.numel() for p in load_hf_model(str(tiny_llama)).parameters())
+    assert sum(s["start_read_local"] for s in storage) == whole
+    assert all(s["start_read_local"] <= whole // 2 + whole // 10 for s in storage)
 
 
 def _weights(run_dir: Path, step: int) -> Path:
