@@ -27,12 +27,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from sft_runtime.runtime.checkpoint.weight_reader import WEIGHTS_FILE, WEIGHTS_INDEX, read_all
 from sft_runtime.runtime.errors import UserInputError
 
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 2**30  # as large as hub models' shards usually are
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -92,6 +91,11 @@ def weight_shards(
     return shards
 
 
+def shard_names(count: int) -> list[str]:
+    """The file names of ``count`` weight shards, as transformers names them."""
+    return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+
+
 def save_weights(
     directory: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES
 ) -> list[str]:
@@ -99,12 +103,7 @@ def save_weights(
     ``max_shard_bytes`` ``model-0000k-of-0000n.safetensors`` plus the index that maps every
     name to its file. safetensors' own file writer keeps no second copy in memory."""
     shards = weight_shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        names = [WEIGHTS_FILE]
-    else:
-        names = [
-            f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)
-        ]
+    names = [WEIGHTS_FILE] if len(shards) == 1 else shard_names(len(shards))
     written = []
     for name, shard in zip(names, shards, strict=True):
         path = os.path.join(directory, name)
@@ -129,36 +128,7 @@ def save_weights(
 def load_weights(directory: str) -> dict[str, torch.Tensor]:
     """The weights `save_weights` wrote (one file, or the shards its index names), or those
     of a sharded (FSDP2) checkpoint, consolidated."""
-    from sft_runtime.runtime.checkpoint import sharded
-
-    if sharded.is_sharded(directory):
-        return sharded.consolidate(directory)
-    index = os.path.join(directory, WEIGHTS_INDEX)
-    if os.path.exists(index):
-        try:
-            files = sorted(set(json.loads(_read(index))["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise UserInputError(f"{index}: unreadable weight index ({exc})") from None
-    else:
-        files = [WEIGHTS_FILE]
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(_load_file(os.path.join(directory, name)))
-    return tensors
-
-
-def _read(path: str) -> str:
-    with open(path) as fh:
-        return fh.read()
-
-
-def _load_file(path: str) -> dict[str, torch.Tensor]:
-    if not os.path.exists(path):
-        raise UserInputError(f"checkpoint weights not found: {path}")
-    try:
-        return load_file(path)
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types for bad files
-        raise UserInputError(f"{path}: unreadable weights ({type(exc).__name__}: {exc})") from exc
+    return read_all(directory)
 
 
 def save_torch(path: str, obj: Any) -> str:

@@ -7,21 +7,17 @@ files and the ``.metadata`` the coordinator writes last), inside the same ``tmp_
 temporary folder the next start removes, never a checkpoint that looks complete. The
 writer fsyncs each file. torch is imported on use: the driver checks a checkpoint's layout
 before anything heavy is loaded. Weights are saved under the model's own parameter names, so
-`consolidate` (no process group, any world size) turns them back into one state dict for
+`weight_reader` (no process group, any world size) reads them back, tensor by tensor, for
 `sft-runtime export`.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sft_runtime.runtime.errors import UserInputError
-
-if TYPE_CHECKING:
-    import torch
 
 METADATA = ".metadata"
 TRAINER_STATE = "trainer_state.pt"  # the schedule's step count, beside the optimizer shards
@@ -57,28 +53,3 @@ def load_shards(directory: str, state: dict[str, Any]) -> None:
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
     except Exception as exc:  # noqa: BLE001 - missing or damaged shard files are bad input
         raise UserInputError(f"{directory}: unreadable sharded checkpoint ({exc})") from exc
-
-
-def consolidate(directory: str | os.PathLike, prefix: str = "model.") -> dict[str, torch.Tensor]:
-    """The whole tensors of a sharded weights folder, read in this one process."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(directory))
-    try:
-        metadata = reader.read_metadata()
-    except Exception as exc:  # noqa: BLE001 - a damaged metadata file is bad input
-        raise UserInputError(f"{directory}: unreadable sharded checkpoint ({exc})") from None
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata) and key.startswith(prefix)
-    }
-    try:
-        with warnings.catch_warnings():  # "no process group: loading in one process" is the point
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except Exception as exc:  # noqa: BLE001 - a missing or truncated shard
-        raise UserInputError(f"{directory}: unreadable sharded checkpoint ({exc})") from exc
-    return {key.removeprefix(prefix): tensor for key, tensor in state.items()}

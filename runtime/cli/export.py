@@ -20,6 +20,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="cast the weights (default: as saved, float32)",
     )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest weights file (5GB, 500MB, 2GiB; default 5GB, as save_pretrained)",
+    )
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN_DIR/checkpoints")
     p.set_defaults(func=cmd_export)
 
@@ -33,6 +38,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         step=args.step,
         dtype=args.dtype,
         checkpoint_dir=args.checkpoint_dir,
+        max_shard_size=args.max_shard_size,
         progress=lambda line: print(line, file=sys.stderr),
     )
     print(args.out)

@@ -28,6 +28,7 @@ Points (state:moment; a step's are ``stepping:after_<phase>`` with the phase nam
   worker:train               inside a worker's forward/backward
   worker:finish              inside a worker, before its optimizer step
   driver:after_setup         workers up, before the controller starts
+  export:after_shard         `sft-runtime export` wrote weight file STEP, before the rest
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ POINTS = frozenset(
         "worker:train",
         "worker:finish",
         "driver:after_setup",
+        "export:after_shard",
     }
 )
 

@@ -25,6 +25,7 @@ NOT_BENCHMARKS = {
     "interleave",  # the in-turns runner of hf_step
     "run_all",  # this runner
     "gpu_hf",  # needs a GPU for its figures; its CPU smoke mode is run below
+    "scale_plan",  # a calculator of the 70B plan (docs/scale.md), nothing measured
 }
 
 

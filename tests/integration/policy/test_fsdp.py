@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from sft_runtime.runtime.checkpoint.sharded import TRAINER_STATE, consolidate, is_sharded
+from sft_runtime.runtime.checkpoint.policy_files import load_weights
+from sft_runtime.runtime.checkpoint.sharded import TRAINER_STATE, is_sharded
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.group import PolicyWorkerError, PolicyWorkerGroup
 from sft_runtime.runtime.policy.loss import NLLLossFn
@@ -106,7 +107,7 @@ def test_the_sharded_checkpoint_is_written_by_every_rank_and_consolidates(sharde
         assert shards == [f"__{r}_0.distcp" for r in range(WORLD)], shards
     state = torch.load(ckpt / "optimizer" / TRAINER_STATE, weights_only=True)
     assert state["scheduler"]["steps_done"] == SAVE_AT
-    whole = consolidate(ckpt / "weights")
+    whole = load_weights(ckpt / "weights")
     want = sharded["weights_at_save"]
     assert sorted(whole) == sorted(want)
     assert all(torch.equal(whole[k], want[k]) for k in want)

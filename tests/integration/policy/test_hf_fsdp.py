@@ -7,12 +7,18 @@ with ``policy.parallel.fsdp=true`` over 2 CPU workers (gloo).
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from sft_runtime.runtime.checkpoint.sharded import consolidate, is_sharded
+from sft_runtime.runtime.checkpoint.policy_files import load_weights
+from sft_runtime.runtime.checkpoint.sharded import is_sharded
 from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.launch.driver import run_training
 from sft_runtime.runtime.policy.group import PolicyWorkerGroup
@@ -66,31 +72,85 @@ def test_sharded_fine_tuning_agrees_with_the_unsharded_run(sharded_run, hf_refer
     assert not (weights / "model.safetensors").exists()
 
 
-def test_the_export_of_a_sharded_checkpoint_loads_in_transformers_bit_for_bit(
+def _runtime_logits(tiny_llama: Path, weights: dict, ids: torch.Tensor) -> torch.Tensor:
+    runtime = load_hf_model(str(tiny_llama)).eval()
+    load_hf_state_dict(runtime, weights)
+    with torch.no_grad():
+        n = ids.shape[1]
+        return hf_logits(runtime, ids, torch.arange(n).unsqueeze(0), torch.zeros_like(ids))
+
+
+def _probe(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+
+
+def test_the_export_of_a_sharded_checkpoint_streams_into_shards_that_load_bit_for_bit(
     sharded_run, tiny_llama, tmp_path
 ):
+    """Weight files of at most --max-shard-size (here 3+ of them) and their index, as
+    save_pretrained writes them: transformers loads the trained weights and logits exactly."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "export"
-    assert cli_main(["export", str(sharded_run), str(out)]) == 0
-    whole = consolidate(_weights(sharded_run, HF_STEPS))
+    assert cli_main(["export", str(sharded_run), str(out), "--max-shard-size", "100KB"]) == 0
+    files = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(files) >= 3 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
+    for f in files:  # a file over the limit holds one tensor larger than it
+        held = [k for k, v in index["weight_map"].items() if v == f.name]
+        assert len(held) == 1 or f.stat().st_size <= 100_000 + 8_192, (f.name, held)
+    whole = load_weights(_weights(sharded_run, HF_STEPS))
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     state = loaded.state_dict()
     assert set(whole) <= set(state)
     assert all(torch.equal(state[k], v) for k, v in whole.items())
-    runtime = load_hf_model(str(tiny_llama)).eval()
-    load_hf_state_dict(runtime, whole)
-    ids = torch.randint(0, loaded.config.vocab_size, (1, 24), generator=torch.Generator())
+    ids = _probe(loaded.config.vocab_size)
     with torch.no_grad():
-        ours = hf_logits(runtime, ids, torch.arange(24).unsqueeze(0), torch.zeros_like(ids))
         theirs = loaded(input_ids=ids).logits
-    assert torch.equal(ours, theirs)
+    assert torch.equal(_runtime_logits(tiny_llama, whole, ids), theirs)
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     tokenizer, original = (
         AutoTokenizer.from_pretrained(out),
         AutoTokenizer.from_pretrained(tiny_llama),
     )
     assert tokenizer.apply_chat_template(chat) == original.apply_chat_template(chat)
+
+
+def test_a_bfloat16_export_holds_the_trained_weights_rounded_once(
+    sharded_run, tiny_llama, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "bf16"
+    assert cli_main(["export", str(sharded_run), str(out), "--dtype", "bfloat16"]) == 0
+    whole = load_weights(_weights(sharded_run, HF_STEPS))
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()  # config.json says bfloat16
+    state = loaded.state_dict()
+    assert all(state[k].dtype == torch.bfloat16 for k in whole)
+    assert all(torch.equal(state[k], v.to(torch.bfloat16)) for k, v in whole.items())
+    ids = _probe(loaded.config.vocab_size)
+    with torch.no_grad():
+        theirs = loaded.float()(input_ids=ids).logits
+    ours = _runtime_logits(tiny_llama, whole, ids)
+    assert not torch.equal(ours, theirs)  # rounded...
+    assert torch.allclose(ours, theirs, rtol=0.05, atol=0.05)  # ...within bf16's rounding
+
+
+def test_a_killed_export_leaves_no_folder_and_the_next_export_completes(sharded_run, tmp_path):
+    """Killed (SIGKILL) after its second weights file: OUT does not exist, only a temporary
+    folder does, which the next export removes before it writes OUT whole."""
+    out = tmp_path / "export"
+    env = {**os.environ, "SFT_RUNTIME_FAULT": "export:after_shard@2"}
+    cmd = [sys.executable, "-m", "sft_runtime.runtime.cli.main", "export", str(sharded_run)]
+    killed = subprocess.run([*cmd, str(out), "--max-shard-size", "100KB"], env=env, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert not out.exists()
+    (left,) = tmp_path.glob(".export.tmp-*")
+    assert len(list(left.glob("model-*.safetensors"))) == 2
+    assert not (left / "model.safetensors.index.json").exists()
+    assert cli_main(["export", str(sharded_run), str(out), "--max-shard-size", "100KB"]) == 0
+    assert not left.exists() and (out / "model.safetensors.index.json").is_file()
 
 
 def test_a_sharded_checkpoint_starts_a_run_of_another_world_size(

@@ -3,8 +3,10 @@
 Two ranks (gloo, CPU) each build the skeleton, shard it with FSDP2 and fill it from the folder;
 every local shard must equal the same rows of `load_hf_model`'s tensors, every buffer (rotary
 ``inv_freq``) must equal the whole load's, tied weights must stay one parameter, and each rank
-must have read its share only. Folders: one file, many files under an index (stored in bf16,
-as on the hub), and a model whose LM head is tied to its embedding.
+must have read its share only. A sharded checkpoint saved from there and resumed into a fresh
+sharded start never makes a tensor larger than the rank's largest shard (optimizer included).
+Folders: one file, many files under an index (stored in bf16, as on the hub), and a model
+whose LM head is tied to its embedding.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from sft_runtime.runtime.policy.config import ParallelConfig
 from sft_runtime.runtime.policy.hf_model import load_hf_model
 from sft_runtime.runtime.policy.hf_shards import can_slice, fill_from_folder, skeleton
 from tests.support.hf_models import build_model
+from tests.support.memory import LargestTensor
 
 WORLD = 2
 VOCAB = 97  # odd: the last rank's shard of the embedding is a row shorter
@@ -99,9 +102,48 @@ def _rank(rank: int, port: int, folder: str, out: str) -> None:
         ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(rank))
         model(input_ids=ids, use_cache=False).logits.float().square().mean().backward()
         report["grads"] = all(p.grad is not None for p in model.parameters())
+        report["resume"] = _save_and_resume(model, folder, parallel, Path(out) / "ckpt")
         Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
+
+
+def _save_and_resume(model, folder: str, parallel: ParallelConfig, ckpt: Path) -> dict:
+    """A sharded checkpoint (weights and AdamW moments) saved and read into a fresh sharded
+    start: the largest tensor any op makes on the way, against this rank's largest shard,
+    and whether the resumed shards equal the saved ones."""
+    from sft_runtime.runtime.checkpoint.sharded import load_shards, save_shards
+    from sft_runtime.runtime.policy import fsdp
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.step()
+    shard = max(p.to_local().numel() for p in model.parameters())
+    with LargestTensor(floating_only=True) as saving:
+        save_shards(str(ckpt), fsdp.sharded_state(model, optimizer))
+    fresh = skeleton(folder)
+    fsdp.shard_model(fresh, parallel, fsdp.build_mesh(parallel, WORLD, torch.device("cpu")))
+    with LargestTensor(floating_only=True) as starting:
+        fill_from_folder(fresh, folder, torch.device("cpu"))
+        resumed = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+        state = fsdp.sharded_state(fresh, resumed)
+        load_shards(str(ckpt), state)
+        fsdp.load_sharded_state(fresh, resumed, state)
+    saved = dict(model.named_parameters())
+    moments = [
+        torch.equal(
+            resumed.state[p]["exp_avg"].to_local(), optimizer.state[saved[n]]["exp_avg"].to_local()
+        )
+        for n, p in fresh.named_parameters()
+    ]
+    return {
+        "largest_shard": shard,
+        "largest_saving": saving.largest,
+        "largest_starting": starting.largest,
+        "weights_equal": all(
+            torch.equal(p.to_local(), saved[n].to_local()) for n, p in fresh.named_parameters()
+        ),
+        "moments_equal": all(moments),
+    }
 
 
 def _free_port() -> int:
@@ -121,6 +163,10 @@ def test_each_rank_reads_only_its_slices_and_they_equal_the_whole_load(folder, t
         assert report["tied_one_param"] == report["tied"]
         assert report["read"]["elements_whole"] == whole
         assert report["read"]["elements_read"] <= -(-whole // WORLD) + VOCAB * 64
+        resume = report["resume"]  # nothing on the way to a resumed step holds a whole tensor
+        assert resume["weights_equal"] and resume["moments_equal"]
+        assert resume["largest_saving"] <= resume["largest_shard"]
+        assert resume["largest_starting"] <= resume["largest_shard"]
     assert sum(r["read"]["elements_read"] for r in reports) == whole  # each row read once
     for name, (start, _rows) in reports[1]["shards"].items():
         assert reports[0]["shards"][name] == [0, start], name  # the two shards meet

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.fsdp import enable_activation_checkpointing
@@ -18,6 +17,7 @@ from sft_runtime.runtime.policy.packed_attention import (
     segment_bounds,
 )
 from tests.support.hf_models import build_model
+from tests.support.memory import LargestTensor
 
 VOCAB = 97
 WINDOW = 6  # the sliding-window model's window: shorter than most samples below
@@ -150,21 +150,6 @@ def test_the_new_path_agrees_with_the_dense_mask_reference(family, tmp_path):
     assert not torch.allclose(leaky[0, 9:14], new[0, 9:14], atol=1e-4)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """The most elements any op's output had while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_a_16k_token_packed_row_trains_a_step_without_a_t_by_t_tensor(tmp_path):
     t, samples = 16_384, 8
     build_model(tmp_path, family="llama", vocab_size=VOCAB, max_positions=t)
@@ -172,7 +157,7 @@ def test_a_16k_token_packed_row_trains_a_step_without_a_t_by_t_tensor(tmp_path):
     _, ids, positions, segments = _rows([[t // samples] * samples], t, seed=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
-    with _LargestTensor() as watch:
+    with LargestTensor() as watch:
         logits = hf_logits(model, ids, positions, segments)
         loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
         loss.backward()
