@@ -3,8 +3,9 @@
 A calculator, not a benchmark: every figure follows from the model's config, the way this
 runtime loads, steps, saves and logs (see docs/scale.md), and the options below. It imports
 no torch, so the plan can be redone on any laptop when an assumption changes. Each printed
-row says what it is computed from; rows marked "estimate" rest on a stated formula rather
-than an exact count. Memory is in GiB (2**30 bytes), disk and bandwidth in GB (10**9).
+row says what it is computed from. Counts and bytes are exact; the memory of a step and of
+the export, and every time, are estimates from the stated formulas and options. Memory is in
+GiB (2**30 bytes), disk and bandwidth in GB (10**9).
 
     .venv/bin/python bench/scale_plan.py [--json] [--log RUN_DIR/events.jsonl] ...
 """
@@ -45,7 +46,7 @@ LLAMA_31_70B = LlamaShape(8192, 28672, 80, 64, 8, 128256, 128)
 HUB_SHARDS = 30
 
 # measured: `sft-runtime demo --run-dir /tmp/scale_demo/run` (150 steps, 2 DP ranks, telemetry
-# on), then `bench/scale_plan.py --log /tmp/scale_demo/run/events.jsonl`: see docs/scale.md
+# on), then `bench/scale_plan.py --log /tmp/scale_demo/run/events.jsonl` (docs/scale.md)
 DEMO_LOG = {"steps": 150, "total_bytes": 138978, "digests": 300, "digest_bytes": 10500}
 
 
@@ -193,8 +194,8 @@ def parameters(z: Sizes) -> list[Row]:
 
 def load(z: Sizes, io_s: Callable[[float, float], float]) -> list[Row]:
     whole = z.n * F32
-    rows = max(math.ceil(s[0] / z.world) * math.prod(s[1:]) for _, s in tensors(z.c))
-    slice_ = rows * (BF16 + F32)  # the largest row slice: bf16 as read + its float32 cast
+    largest = max(math.ceil(s[0] / z.world) * math.prod(s[1:]) for _, s in tensors(z.c))
+    slice_ = largest * (BF16 + F32)  # the largest row slice: bf16 as read + its float32 cast
     sharded = z.local * F32 + slice_
     read = z.node * z.local * BF16
     return [
@@ -205,7 +206,7 @@ def load(z: Sizes, io_s: Callable[[float, float], float]) -> list[Row]:
         row("slice_per_rank", "sharded: slice in flight", slice_ / GIB, "GiB",
             "largest row slice, bf16 + f32"),
         row("sharded_per_rank", "sharded: peak per rank", sharded / GIB, "GiB",
-            "shard + slice (device on GPU)"),
+            "shard (on the GPU if any) + slice"),
         row("host_per_node", "sharded: host per node (GPU)", z.node * slice_ / GIB, "GiB",
             "slices only"),
         row("ratio", "old / sharded per rank", whole / sharded, "x", f"~ {z.world} ranks"),
@@ -247,9 +248,10 @@ def step(z: Sizes, tokens: list[int], reduce_bytes: int, device_gib: float) -> l
             where, peak = max(moments.items(), key=lambda kv: kv[1])
             tag = f"{t}_{'ckpt' if ckpt else 'full'}"
             how = "recompute" if ckpt else "no recompute"
+            formula = "2h x T x L + 1 layer redone + grads" if ckpt else "act x T x L + grads"
             rows += [
                 row(f"act_{tag}", f"T={t}, {how}: activations", (stored + working) / GIB,
-                    "GiB", "2h x T x L + 2 layers' act" if ckpt else "act x T x L + 1 layer"),
+                    "GiB", formula),
                 row(f"peak_{tag}", f"T={t}, {how}: peak", peak / GIB, "GiB",
                     f"at {where}; fits {device_gib:g} GiB: {peak <= device_gib * GIB}"),
             ]  # fmt: skip
@@ -259,18 +261,19 @@ def step(z: Sizes, tokens: list[int], reduce_bytes: int, device_gib: float) -> l
 def save(z: Sizes, io_s: Callable[[float, float], float], a: argparse.Namespace) -> list[Row]:
     per_rank = 3 * z.local * F32  # DCP: float32 weights + the two AdamW moments
     export = z.n * BF16
-    largest = max(math.prod(s) for _, s in tensors(z.c)) * F32
-    limit = a.max_shard_gib * GIB
+    limit = a.max_shard_gb * GB  # `sft-runtime export --max-shard-size`, 5GB by default
+    # a shard's tensors are read in float32 and then cast: 2 + 1 times its bf16 bytes
+    held = max(limit, max(math.prod(s) for _, s in tensors(z.c)) * BF16) * (F32 + BF16) / BF16
     return [
         row("ckpt_gb", "DCP checkpoint, total", per_rank * z.world / GB, "GB",
             "4 B weights + 8 B AdamW / param"),
         row("ckpt_rank_gb", "DCP checkpoint per rank", per_rank / GB, "GB", "12 B x own shard"),
         row("save_s", "save time", io_s(per_rank * z.node, per_rank * z.world), "s", IO),
         row("export_gb", "export, bf16 safetensors", export / GB, "GB", "2 B x params"),
-        row("export_files", f"export files <= {a.max_shard_gib:g} GiB",
+        row("export_files", f"export files <= {a.max_shard_gb:g} GB",
             shard_count(z.c, BF16, limit), "files", "greedy in tensor order"),
-        row("export_peak", "export host peak", (limit + largest) / GIB, "GiB",
-            "a shard + largest tensor f32 (estimate)"),
+        row("export_peak", "export host peak", held / GIB, "GiB",
+            "a shard read in f32 + its bf16 cast"),
         row("export_s", "export time, one process", (z.n * F32 + export) / (a.disk_gbps * GB),
             "s", "read 4 B + write 2 B / param"),
     ]  # fmt: skip
@@ -354,7 +357,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reduce-dtype", choices=sorted(DTYPE_BYTES), default="float32")
     p.add_argument("--disk-gbps", type=float, default=2.0, help="GB/s a node's ranks share")
     p.add_argument("--pfs-gbps", type=float, default=None, help="aggregate GB/s of storage")
-    p.add_argument("--max-shard-gib", type=float, default=5.0, help="export's file limit")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="export's --max-shard-size")
     p.add_argument("--log", type=Path, default=None, help="a run's events.jsonl to measure")
     p.add_argument("--steps", type=int, default=100_000)
     p.add_argument("--round-trip-ms", type=float, default=100.0, help="controller, per step")

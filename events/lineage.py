@@ -21,7 +21,7 @@ from sft_runtime.events.log import EventLog, LogReader, read_log
 from sft_runtime.events.record import Record
 
 LogLike = str | Path | EventLog | LogReader | Iterable[Record]
-_STEP_TYPES = ("step_committed", "checkpoint_saved")
+_STEP_TYPES = ("step_committed", "checkpoint_saved", "validation_completed")
 
 
 def _source(log: LogLike) -> Iterable[Record]:
@@ -108,6 +108,12 @@ def records_in_effect(log: LogLike) -> Iterator[Record]:
                     f"checkpoint of step {rec.data['step']} saved after step {last_step}",
                 )
             checkpoints.add(last_step)
+        elif type_ == "validation_completed" and rec.data["step"] != last_step:
+            raise LineageError(
+                origin,
+                rec.line,
+                f"validation of step {rec.data['step']} completed after step {last_step}",
+            )
         if (
             rolled_back
             and type_ in _STEP_TYPES
@@ -185,7 +191,7 @@ class Divergence:
     step: int
     first_attempt: int
     later_attempt: int
-    field: str  # "sample_digests" or "loss"
+    field: str  # "sample_digests" or "loss"; of a validation "val_samples" or "val_loss"
     first_value: Any
     later_value: Any
     ranks: tuple[int, ...] = ()
@@ -203,20 +209,20 @@ def compare_reexecutions(log: LogLike) -> tuple[int, list[Divergence]]:
     """(number of re-executions compared, every divergence found, in step order)."""
     source = _source(log)
     limits = resume_limits(source)
-    first_runs: dict[int, Record] = {}
+    first_runs: dict[tuple[str, int], Record] = {}
     compared, found = 0, []
     for rec in source:
-        if rec.type != "step_committed":
+        if rec.type not in _COMPARED:
             continue
         step = rec.data["step"]
-        earlier = first_runs.get(step)
+        earlier = first_runs.get((rec.type, step))
         if earlier is not None:
             compared += 1
             diff = _differ(earlier, rec)
             if diff is not None:
                 found.append(diff)
         elif step > limits.get(rec.attempt, math.inf):
-            first_runs[step] = rec  # rolled back: a later attempt will run it again
+            first_runs[rec.type, step] = rec  # rolled back: a later attempt runs it again
     return compared, sorted(found, key=lambda d: d.step)
 
 
@@ -226,7 +232,22 @@ def divergence(log: LogLike) -> Divergence | None:
     return found[0] if found else None
 
 
+_COMPARED = ("step_committed", "validation_completed")
+
+
 def _differ(first: Record, later: Record) -> Divergence | None:
+    if first.type == "validation_completed":
+        for key, name in (("sample_digest", "val_samples"), ("loss", "val_loss")):
+            if first.data[key] != later.data[key]:
+                return Divergence(
+                    first.data["step"],
+                    first.attempt,
+                    later.attempt,
+                    name,
+                    first.data[key],
+                    later.data[key],
+                )
+        return None
     a, b = first.data.get("sample_digests", []), later.data.get("sample_digests", [])
     if a != b:
         ranks = tuple(i for i in range(max(len(a), len(b))) if a[i : i + 1] != b[i : i + 1])

@@ -92,6 +92,20 @@ class CheckpointSaved(EventPayload):
     seconds: float = 0.0
 
 
+class ValidationCompleted(EventPayload):
+    """A validation pass ran on the weights after step ``step`` (0: before the first)."""
+
+    event_type: ClassVar[str] = "validation_completed"
+    step: int = Field(ge=0)
+    loss: float
+    tokens: int = Field(ge=0)
+    samples: int = Field(ge=0)
+    sample_digest: str
+    seconds: float = 0.0
+    trace_id: str | None = None
+    span_id: str | None = None
+
+
 class RunStopped(EventPayload):
     """The attempt ended, and why."""
 
@@ -118,6 +132,7 @@ EVENT_TYPES: dict[str, type[EventPayload]] = {
         StepCommitted,
         StepAborted,
         CheckpointSaved,
+        ValidationCompleted,
         RunStopped,
         LogRepaired,
     )

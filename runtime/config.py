@@ -29,6 +29,7 @@ from sft_runtime.runtime.data.config import (
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout
+from sft_runtime.runtime.validation.config import VAL_METRIC_KEYS, VAL_PREFIX, check_validation
 from sft_runtime.states import StepRules
 from sft_runtime.traces.config import TelemetryConfig
 
@@ -65,9 +66,12 @@ class SFTConfig(BaseModel):
     max_num_steps: int = Field(..., ge=1)
     max_num_epochs: int = Field(1, ge=1)
     seed: int = 42
-    val_period: int = 0
+    val_period: int = Field(0, ge=0)
     val_at_start: bool = False
     val_at_end: bool = False
+    val_batches: int | None = Field(None, ge=0)  # 0 or null: the whole validation split
+    val_global_batch_size: int | None = Field(None, ge=1)  # default: the training one's
+    val_micro_batch_size: int | None = Field(None, ge=1)
     only_unmask_final: bool = False
 
 
@@ -115,9 +119,15 @@ class CheckpointingConfig(BaseModel):
     @field_validator("metric_name")
     @classmethod
     def _train_metric(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith(VAL_PREFIX):
+            if value.removeprefix(VAL_PREFIX) not in VAL_METRIC_KEYS:
+                known = ", ".join(VAL_PREFIX + key for key in VAL_METRIC_KEYS)
+                raise ValueError(f"{value!r} is not a validation metric; available: {known}")
+            return value
         if value is not None and (not value.startswith("train:") or value == "train:"):
             raise ValueError(
-                f"must be null or 'train:<metric>' (for example 'train:loss'), got {value!r}"
+                "must be null, 'train:<metric>' (for example 'train:loss') or "
+                f"'val:<metric>' (for example 'val:val_loss'), got {value!r}"
             )
         if value is not None and value.removeprefix("train:") not in STEP_METRIC_KEYS:
             known = ", ".join(f"train:{key}" for key in sorted(STEP_METRIC_KEYS))
@@ -167,12 +177,8 @@ class MasterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _rules(self) -> MasterConfig:
-        sft, data, policy = self.sft, self.data, self.policy
-        if sft.val_period or sft.val_at_start or sft.val_at_end or data.validation is not None:
-            raise ValueError(
-                "sft_v2 has no validation loop: set sft.val_period=0, sft.val_at_start=false, "
-                "sft.val_at_end=false and data.validation=null"
-            )
+        data, policy = self.data, self.policy
+        check_validation(self)
         packing = policy.sequence_packing
         if data.energon.packing_buffer_size is not None and not packing.enabled:
             raise ValueError(

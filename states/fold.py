@@ -24,6 +24,7 @@ from sft_runtime.events.schemas import (
     RunStopped,
     StepAborted,
     StepCommitted,
+    ValidationCompleted,
 )
 from sft_runtime.states.save_state import SFTV2SaveState
 
@@ -133,6 +134,27 @@ def step_aborted_event(
 
 def run_stopped_event(reason: str, last_step: int, error: str | None = None) -> RunStopped:
     return RunStopped(reason=reason, last_step=last_step, error=error)
+
+
+# -- validation_completed (moves nothing: the weights it measured are a step's) -----------
+def validation_completed_event(
+    step: int,
+    metrics: Mapping[str, Any],
+    *,
+    sample_digest: str,
+    trace_id: str | None,
+    span_id: str | None,
+) -> ValidationCompleted:
+    return ValidationCompleted(
+        step=step,
+        loss=metrics["val_loss"],
+        tokens=metrics["val_tokens"],
+        samples=metrics["val_samples"],
+        sample_digest=sample_digest,
+        seconds=metrics["val_time"],
+        trace_id=trace_id,
+        span_id=span_id,
+    )
 
 
 # -- checkpoint_saved --------------------------------------------------------------------

@@ -87,6 +87,14 @@ TRANSITIONS: list[dict[str, Any]] = [
         "before": "record",
     },
     {"trigger": "saved", "source": "saving", "dest": "loading", "before": "record"},
+    # a validation pass between steps (or at the start, or before the last save): recorded,
+    # the state unchanged
+    {
+        "trigger": "validated",
+        "source": ["loading", "saving", "closing"],
+        "dest": None,
+        "before": "record",
+    },
     {"trigger": "close", "source": ["setup", "loading"], "dest": "closing"},
     {"trigger": "finish", "source": "closing", "dest": "closed", "after": "record_stop"},
 ]
@@ -108,6 +116,7 @@ class ControllerModel:
         def commit(self, *, event: EventPayload) -> bool: ...
         def fail(self, *, error: BaseException, phase: str = "", **ids: Any) -> bool: ...
         def saved(self, *, event: EventPayload) -> bool: ...
+        def validated(self, *, event: EventPayload) -> bool: ...
         def close(self) -> bool: ...
         def finish(self, *, reason: str, error: str | None = None) -> bool: ...
 

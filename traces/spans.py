@@ -38,6 +38,8 @@ STEP_SPAN = "rl.sft_v2.step"
 POLICY_TRAINING_SPAN = "rl.sft_v2.policy_training"
 START_STEP_SPAN = "rl.sft_v2.start_step"  # a worker's first call of a step (load, forward)
 SAVE_SPAN = "rl.sft_v2.save"
+VALIDATION_SPAN = "rl.sft_v2.validation"  # a validation pass, in the controller
+VALIDATION_WORKER_SPAN = "rl.sft_v2.validation.worker"  # one worker's share of it
 JOB_TRACE_ATTR = "sft.job.trace_id"
 # Start-up, so "why did my resume take 40 s" is answered in the job trace's timeline.
 SETUP_SPANS = {

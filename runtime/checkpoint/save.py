@@ -41,11 +41,17 @@ class CheckpointWriteError(OSError):
     """Writing a checkpoint failed (disk full, say): the run stops, nothing saved is lost."""
 
 
-def state_metric(metric_name: str | None, metrics: dict[str, Any]) -> dict[str, float]:
+def state_metric(
+    metric_name: str | None, metrics: dict[str, Any], val_metrics: dict[str, Any] | None = None
+) -> dict[str, float]:
     """``{metric_name: value}`` from a step's metrics (``{}`` without a name), keyed the way
-    the reference keys its checkpoint metrics (``train:<key>``); unknown keys list the known."""
+    the reference keys its checkpoint metrics (``train:<key>``); unknown keys list the known.
+    A ``val:<key>`` name reads the latest validation's metrics (``{}`` before the first)."""
     if metric_name is None:
         return {}
+    if metric_name.startswith("val:"):
+        key = metric_name.removeprefix("val:")
+        return {metric_name: float(val_metrics[key])} if val_metrics else {}
     key = metric_name.removeprefix("train:")
     if key not in metrics:
         known = ", ".join(f"train:{k}" for k in sorted(metrics))
@@ -65,10 +71,12 @@ class Checkpointer:
         self.store = store if store is not None else run_checkpoints(config)
         self._config_yaml = config_yaml(config.model_dump(mode="json"))  # ~2 ms: once a run
 
-    def metric(self, metrics: dict[str, Any]) -> dict[str, float]:
-        """``{"train:<name>": value}`` checkpoints are ranked by; an unknown name fails at the
-        first step."""
-        return state_metric(self.config.checkpointing.metric_name, metrics)
+    def metric(
+        self, metrics: dict[str, Any], val_metrics: dict[str, Any] | None = None
+    ) -> dict[str, float]:
+        """``{"train:<name>": value}`` (or ``val:<name>``) checkpoints are ranked by; an
+        unknown name fails at the first step."""
+        return state_metric(self.config.checkpointing.metric_name, metrics, val_metrics)
 
     def save(
         self, state: SFTV2SaveState, loader_states: list[bytes], **kwargs: Any

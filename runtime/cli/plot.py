@@ -40,6 +40,8 @@ class AttemptSeries:
     rolled_back: list[int] = field(default_factory=list)  # discarded by a later resume
     aborts: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+    val_steps: list[int] = field(default_factory=list)  # validation passes, after these steps
+    val_loss: list[float] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -71,6 +73,9 @@ def collect(records: Iterable[Record]) -> list[AttemptSeries]:
                 att.reexecuted.append(step)
             if step > limits.get(rec.attempt, math.inf):
                 att.rolled_back.append(step)
+        elif rec.type == "validation_completed":
+            att.val_steps.append(data["step"])
+            att.val_loss.append(float(data["loss"]))
         elif rec.type == "step_aborted":
             att.aborts.append(data["step"])
         elif rec.type == "checkpoint_saved":
@@ -114,6 +119,17 @@ def draw(series: list[AttemptSeries], title: str) -> Any:
         for att, colour in zip(series, colours, strict=True):
             _draw_attempt(ax, att, getattr(att, attr), colour)
         _draw_marks(ax, series)
+    for att, colour in zip(series, colours, strict=True):  # validation beside the train loss
+        if att.val_steps:
+            axes[0].plot(
+                att.val_steps,
+                att.val_loss,
+                color=colour,
+                linestyle="--",
+                marker="s",
+                markersize=5,
+                label="validation loss",
+            )
     axes[-1].set_xlabel("step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     for att, colour in zip(series, colours, strict=True):

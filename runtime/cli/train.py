@@ -95,16 +95,22 @@ def _train(config, console=None) -> int:
     task = progress.add_task("train", total=total, info="")
     seen = dict.fromkeys(SAMPLE_NOTES, 0)
 
+    shown = {"train": "", "val": ""}
+
     def on_step(row: dict) -> None:
         if not progress.live.is_started:
             progress.start()
-        m = row.get("train", {})
-        info = f"loss {m.get('loss', 0):.4f}  {m.get('valid_tokens_per_second', 0):,.0f} tok/s"
-        for key, what in SAMPLE_NOTES.items():
-            seen[key] += int(m.get(key, 0))
-            if seen[key]:
-                info += f"  {seen[key]} {what}"
-        progress.update(task, completed=row["step"], info=info)
+        if "val" in row:  # a validation pass: shown beside the steps until the next one
+            shown["val"] = f"  val_loss {row['val']['val_loss']:.4f} (step {row['step']})"
+        else:
+            m = row.get("train", {})
+            info = f"loss {m.get('loss', 0):.4f}  {m.get('valid_tokens_per_second', 0):,.0f} tok/s"
+            for key, what in SAMPLE_NOTES.items():
+                seen[key] += int(m.get(key, 0))
+                if seen[key]:
+                    info += f"  {seen[key]} {what}"
+            shown["train"] = info
+        progress.update(task, completed=row["step"], info=shown["train"] + shown["val"])
 
     def on_stop() -> None:
         console.print("stop requested: finishing the step and saving (signal again to abort)")

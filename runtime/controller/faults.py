@@ -20,6 +20,7 @@ Points (state:moment; a step's are ``stepping:after_<phase>`` with the phase nam
   stepping:after_train       optimizer step taken, before the loader commit
   stepping:after_commit      loader commit marked, before step_committed is appended
   stepping:after_record      step_committed durable, before the metrics line
+  validating:after_pass      the workers validated step STEP, before validation_completed
   saving:after_weights       policy files written, loader states taken, not yet written
   saving:before_rename       tmp_step_N complete, before the rename
   saving:after_rename        step_N in place, before checkpoint_saved
@@ -47,6 +48,7 @@ POINTS = frozenset(
     {
         "setup:after_loaders",
         *(p.fault_point for p in (P.loading, P.train, P.commit, P.record)),
+        "validating:after_pass",
         "saving:after_weights",
         "saving:before_rename",
         "saving:after_rename",

@@ -39,6 +39,7 @@ from sft_runtime.runtime.controller.metrics import (
 from sft_runtime.runtime.controller.metrics_log import MetricsLogger
 from sft_runtime.runtime.controller.step import StepCalls
 from sft_runtime.runtime.controller.teardown import ControllerTeardown
+from sft_runtime.runtime.controller.validation import Validator
 from sft_runtime.runtime.data.factory import build_colocated_loader
 from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.launch.liveness import check_driver
@@ -95,6 +96,7 @@ class SFTController(ControllerTeardown):
         self._sample_counts = dict.fromkeys(SAMPLE_COUNT_KEYS, 0)
         self.log = None
         self.calls = StepCalls(self.group, actor_args.loss_fn)
+        self.validator = Validator(master_config, self.group)
         self._job = None  # the job span (each step span links to it)
         self._trace: StepTrace | None = None  # the trace of the step in flight
         self._flush_by: float | None = None  # the run's shutdown deadline for telemetry
@@ -134,6 +136,7 @@ class SFTController(ControllerTeardown):
             try:
                 with traced(SETUP_SPANS["loaders"]):
                     self._setup_loaders()
+                self._validate_if_due()  # before the first step (sft.val_at_start)
                 while self.model.state is S.loading:
                     self._check_driver()
                     self.model.stop_requested = self._stop.is_set()
@@ -143,6 +146,7 @@ class SFTController(ControllerTeardown):
                             self._save_checkpoint()
                         break
                     self._run_one_step()
+                    self._validate_if_due()
                     if self._should_save(save_by_timeout=self.model.save_by_timeout()):
                         self._save_checkpoint()
                 reason = self._end_reason()
@@ -177,6 +181,7 @@ class SFTController(ControllerTeardown):
                 pid=os.getpid(),
             )
         )
+        self.validator.read_log(self.log)  # after run_started: what this resume rolled back
 
     def _setup_loaders(self) -> None:
         cfg, plan = self.config, self.plan
@@ -290,7 +295,10 @@ class SFTController(ControllerTeardown):
         state = replace(self.model.save_state, total_steps=step)
         # this step ends about one mean step from now: would the deadline fire at its end?
         soon = self.model.deadline_within(1)
-        if self.model.rules.continues_after(state, stopping=self._stop.is_set(), timed_out=soon):
+        validates = self.validator.due(step, final=self.model.rules.budget_reached(state))
+        if not validates and self.model.rules.continues_after(
+            state, stopping=self._stop.is_set(), timed_out=soon
+        ):
             self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
         envelopes = self._load_envelopes(start, step)
         return envelopes, self.group.wait(finish)
@@ -354,8 +362,19 @@ class SFTController(ControllerTeardown):
 
     def _checkpoint_metric(self, metrics: dict[str, Any]) -> dict[str, float]:
         """``{"train:<name>": value}`` for ``checkpointing.metric_name`` (``{}`` without
-        one); an unknown name fails at the first step, listing the known ones."""
-        return self.checkpointer.metric(metrics)
+        one; ``val:<name>`` from the latest validation); an unknown name fails at the first
+        step, listing the known ones."""
+        return self.checkpointer.metric(metrics, self.validator.latest)
+
+    def _validate_if_due(self) -> None:
+        """A validation pass on the weights of the last committed step, when one is due
+        there (``sft.val_period``, ``val_at_start``, ``val_at_end``) and the log holds none."""
+        state = self.model.save_state
+        step = state.total_steps
+        if not self.validator.due(step, final=self.model.rules.budget_reached(state)):
+            return
+        metrics = self.validator.run(step, self.model, self._attempt)
+        self.metrics.log(step, metrics, prefix="val")
 
     def _save_checkpoint(self) -> None:
         """Write the checkpoint of the save state; the workers go on to the next step (sent

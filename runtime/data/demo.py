@@ -63,8 +63,11 @@ def demo_conversation(rng: random.Random) -> list[dict[str, str]]:
     return messages
 
 
-def build_demo_dataset(out_dir: Path | str, num_samples: int = 512, seed: int = 0) -> Path:
-    """Write `num_samples` synthetic conversations as a prepared energon data set in `out_dir`."""
+def build_demo_dataset(
+    out_dir: Path | str, num_samples: int = 512, seed: int = 0, val_samples: int = 0
+) -> Path:
+    """Write `num_samples` synthetic conversations as a prepared energon data set in `out_dir`,
+    and `val_samples` more as its ``val`` split."""
     out_dir = Path(out_dir)
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -74,7 +77,9 @@ def build_demo_dataset(out_dir: Path | str, num_samples: int = 512, seed: int = 
     def samples() -> Iterator[tuple[str, str, list[dict[str, str]]]]:
         for index in range(num_samples):
             yield "train", sample_key(index + 1), demo_conversation(rng)
+        for index in range(num_samples, num_samples + val_samples):
+            yield "val", sample_key(index + 1), demo_conversation(rng)
 
     write_shards(out_dir, samples(), shard_size=max(1, -(-num_samples // 4)))
-    energon_prepare(out_dir, ["train"])
+    energon_prepare(out_dir, ["train", "val"] if val_samples else ["train"])
     return out_dir

@@ -236,5 +236,9 @@ class WorkerCalls:
     def local_storage(self) -> list[dict[str, int]]:
         return self._run("local_storage")
 
+    def validate(self, spec: Any, *, carrier: dict | None = None) -> list[dict[str, Any]]:
+        """Every rank's share of a validation pass (`PolicyWorker.validate`)."""
+        return self._run("validate", spec, _otel_carrier=carrier)
+
     def peak_rss_bytes(self) -> list[int]:
         return self._run("peak_rss_bytes")

@@ -148,7 +148,7 @@ class Replica:
         """
         if self.sharded:
             failed = error is not None or self._open is None or self._open.trained
-            self._agree(failed, "train_step")
+            self.agree(failed, "train_step")
         if error is not None:
             raise error
         step = self._require_open("train_step")
@@ -162,7 +162,7 @@ class Replica:
         for start in range(0, batch.num_rows, size):
             mb = batch.rows(start, min(start + size, batch.num_rows))
             t0 = time.perf_counter()
-            with self._autocast():
+            with self.autocast():
                 logits = forward_logits(self.model, mb)
             try:
                 loss, metrics = step.loss_fn(logits, mb, step.global_valid_tokens)
@@ -177,7 +177,7 @@ class Replica:
                 metrics["forward_backward_s"] = time.perf_counter() - t0
                 step.micro_batches.append(metrics)
         if self.sharded:
-            self._agree(loss_error is not None, "train_step")
+            self.agree(loss_error is not None, "train_step")
         if loss_error is not None:
             raise loss_error
         step.micro_batches = _read_metrics(step.micro_batches)  # the step's one host sync
@@ -354,7 +354,7 @@ class Replica:
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], self.device)
 
-    def _agree(self, failed: bool, phase: str) -> None:
+    def agree(self, failed: bool, phase: str) -> None:
         """Every rank learns whether any failed (a collective); a healthy rank whose peer
         failed raises `PeerStepError`, a failed one goes on to raise its own error."""
         flags = self._all_reduce(torch.tensor([float(failed)], device=self.device))
@@ -376,7 +376,7 @@ class Replica:
             return float(norms.norm(2).item())
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm).item())
 
-    def _autocast(self):
+    def autocast(self):
         if self.policy.precision == "bfloat16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return nullcontext()

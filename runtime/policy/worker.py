@@ -44,7 +44,12 @@ from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
 from sft_runtime.runtime.policy.worker_state import WRITES_GROUP, WorkerStateMixin
 from sft_runtime.states.step import StepPhase
-from sft_runtime.traces.spans import PHASE_ATTR, START_STEP_SPAN, traced
+from sft_runtime.traces.spans import (
+    PHASE_ATTR,
+    START_STEP_SPAN,
+    VALIDATION_WORKER_SPAN,
+    traced,
+)
 
 P = StepPhase
 
@@ -84,6 +89,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         self._writes = BackgroundWrites()
         self._loader: BatchSource | None = None
         self._batch_step: int | None = None  # replica steps done when the active batch loaded
+        self._validation: Any = None  # this rank's `ValidationShare`, rendered once
 
     # ----------------------------------------------------------------- distributed
     def rendezvous_address(self, *, _otel_carrier: dict | None = None) -> tuple[str, int]:
@@ -146,6 +152,34 @@ class PolicyWorkerBase(WorkerStateMixin):
     def peak_rss_bytes(self, *, _otel_carrier: dict | None = None) -> int:
         """Peak resident memory of this worker process (Linux reports KiB)."""
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def validate(self, spec: Any, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
+        """This rank's share of a validation pass (`ValidationSpec`) under the current
+        weights: summed NLL, supervised tokens, samples, and the ids of its samples. The
+        share is read and rendered at the first pass and kept; no RNG is consumed."""
+        from sft_runtime.runtime.policy.evaluate import evaluate, rng_untouched
+        from sft_runtime.runtime.validation.samples import ValidationShare
+
+        t0 = time.perf_counter()
+        with traced(VALIDATION_WORKER_SPAN, carrier=_otel_carrier, attributes={"rank": self.rank}):
+            with rng_untouched(self.device):
+                error: Exception | None = None
+                share = self._validation
+                try:
+                    if share is None or share.spec != spec:
+                        share = self._validation = ValidationShare(spec, self.rank, self.world_size)
+                    batches = share.micro_batches()
+                except Exception as exc:  # noqa: BLE001 - raised once the ranks agreed
+                    error, batches = exc, []
+                nll, tokens = evaluate(self.replica, batches, error)
+        return {
+            "nll_sum": nll,
+            "tokens": tokens,
+            "samples": share.samples,
+            "total": share.total,
+            "source_ids": share.source_ids,
+            "seconds": time.perf_counter() - t0,
+        }
 
     # ----------------------------------------------------------------- loader
     def setup_sft_dataloader(

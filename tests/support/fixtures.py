@@ -328,3 +328,29 @@ def hf_reference(ray_session, demo_data, tiny_llama, tmp_path_factory) -> Refere
     summary = run_training(small_config(run_dir, demo_data, HF_STEPS, *hf_overrides(tiny_llama)))
     assert summary["reason"] == "completed" and summary["total_steps"] == HF_STEPS
     return Reference(run_dir, HF_STEPS, committed(run_dir), load_weights(run_dir, HF_STEPS))
+
+
+# ----------------------------------------------------------------------------- validation
+VAL_SAMPLES = 21  # not a multiple of the batch: the last one is short, one rank's share too
+
+
+@pytest.fixture(scope="session")
+def val_data(tmp_path_factory) -> Path:
+    """`demo_data`'s 256 training chats (the same samples, keys and shards) and a ``val``
+    split of `VAL_SAMPLES` more."""
+    from sft_runtime.runtime.data.demo import build_demo_dataset
+
+    root = tmp_path_factory.mktemp("data-val")
+    return build_demo_dataset(root / "demo", num_samples=256, seed=0, val_samples=VAL_SAMPLES)
+
+
+def val_overrides(data: Path, *, period: int = 2) -> tuple[str, ...]:
+    """Validation every ``period`` steps, at the start and at the end, over the whole split."""
+    return (
+        f"data.validation.path={data}",
+        f"sft.val_period={period}",
+        "sft.val_at_start=true",
+        "sft.val_at_end=true",
+        "sft.val_global_batch_size=8",
+        "sft.val_micro_batch_size=2",
+    )

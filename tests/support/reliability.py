@@ -224,6 +224,20 @@ def committed(run_dir: Path) -> dict[int, tuple[float, list[str]]]:
     }
 
 
+def validations(run_dir: Path) -> dict[int, tuple[float, int, int, str]]:
+    """step -> (loss, tokens, samples, sample digest) of the validations in effect."""
+    return {
+        r.data["step"]: (
+            r.data["loss"],
+            r.data["tokens"],
+            r.data["samples"],
+            r.data["sample_digest"],
+        )
+        for r in records_in_effect(read_log(run_dir))
+        if r.type == "validation_completed"
+    }
+
+
 def weights_path(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step}" / "policy" / "weights"
 

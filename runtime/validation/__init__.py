@@ -1,0 +1,1 @@
+"""Validation: the loss on held-out conversations, on the training workers, between steps."""

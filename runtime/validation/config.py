@@ -1,0 +1,132 @@
+"""The validation keys (NeMo RL's ``sft.val_*`` names) resolved into one `ValidationSpec`.
+
+The spec is what every worker needs to run its share of a validation pass and nothing it does
+not: plain values, picklable, no torch, so the controller builds it and the config rules run
+before Ray starts. When validation runs is `validation_due`, one rule for the loop and for a
+resume alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sft_runtime.runtime.data.config import OverlongPolicy
+from sft_runtime.runtime.data.integrity import split_shards
+from sft_runtime.runtime.data.tokenizer import TokenizerSpec
+
+if TYPE_CHECKING:
+    from sft_runtime.runtime.config import MasterConfig
+
+VAL_METRIC_KEYS = ("val_loss", "val_tokens", "val_samples", "val_time")
+VAL_PREFIX = "val:"  # checkpointing.metric_name "val:val_loss"
+
+
+class ValidationSpec(BaseModel):
+    """One validation pass: which samples (the first ``num_samples`` of the split in their
+    stored order, or all of them), how they are rendered, and how they are batched."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data_path: str
+    split: str = "val"
+    tokenizer: TokenizerSpec = TokenizerSpec()
+    max_input_seq_length: int = Field(..., ge=2)
+    pad_multiple: int = Field(1, ge=1)
+    only_unmask_final: bool = False
+    overlong_samples: OverlongPolicy = "mask"
+    skip_bad_samples: bool = False
+    global_batch_size: int = Field(..., ge=1)
+    micro_batch_size: int = Field(..., ge=1)
+    num_samples: int | None = Field(None, ge=1)  # None: the whole split
+
+
+def validation_enabled(config: MasterConfig) -> bool:
+    sft = config.sft
+    return bool(sft.val_period or sft.val_at_start or sft.val_at_end)
+
+
+def validation_spec(config: MasterConfig) -> ValidationSpec | None:
+    """The pass this run's workers run, or None when the run never validates."""
+    if not validation_enabled(config) or config.data.validation is None:
+        return None
+    sft, data, policy = config.sft, config.data, config.policy
+    gbs = sft.val_global_batch_size or policy.train_global_batch_size
+    return ValidationSpec(
+        data_path=data.validation.path,
+        split=data.validation.split,
+        tokenizer=policy.tokenizer,
+        max_input_seq_length=data.max_input_seq_length,
+        pad_multiple=policy.make_sequence_length_divisible_by,
+        only_unmask_final=sft.only_unmask_final,
+        overlong_samples=data.overlong_samples,
+        skip_bad_samples=data.skip_bad_samples,
+        global_batch_size=gbs,
+        micro_batch_size=sft.val_micro_batch_size or policy.train_micro_batch_size,
+        num_samples=sft.val_batches * gbs if sft.val_batches else None,
+    )
+
+
+def check_validation(config: MasterConfig) -> None:
+    """The rules a validation setting must keep, each naming its key (ValueError)."""
+    sft, data, ck = config.sft, config.data, config.checkpointing
+    enabled = validation_enabled(config)
+    if enabled and data.validation is None:
+        key = next(k for k in ("val_period", "val_at_start", "val_at_end") if getattr(sft, k))
+        raise ValueError(
+            f"sft.{key} is set but data.validation is null: give data.validation.path (a "
+            "prepared data set; `prepare-data --val-fraction` writes a 'val' split)"
+        )
+    if ck.metric_name and ck.metric_name.startswith(VAL_PREFIX) and not enabled:
+        raise ValueError(
+            f"checkpointing.metric_name {ck.metric_name!r}: no validation runs in this config "
+            "(set sft.val_period, sft.val_at_start or sft.val_at_end)"
+        )
+    if not enabled:
+        return
+    world = config.cluster.world_size
+    gbs = sft.val_global_batch_size or config.policy.train_global_batch_size
+    mbs = sft.val_micro_batch_size or config.policy.train_micro_batch_size
+    if gbs % (world * mbs):
+        raise ValueError(
+            f"sft.val_global_batch_size={gbs} must be a multiple of data-parallel size {world} "
+            f"x sft.val_micro_batch_size={mbs}"
+        )
+    _check_split(data.validation.path, data.validation.split)
+
+
+def _check_split(path: str, split: str) -> None:
+    folder = Path(path).expanduser()
+    if not (folder / ".nv-meta").is_dir():
+        raise ValueError(
+            f"data.validation.path {path!r}: not a prepared energon data set (no .nv-meta; "
+            "run `sft-runtime prepare-data`)"
+        )
+    try:
+        shards = split_shards(folder, split)
+    except Exception:  # noqa: BLE001 - any unreadable split file means the same to the user
+        shards = []
+    if not shards:
+        raise ValueError(
+            f"data.validation.split {split!r}: {path} has no such split (prepare it with "
+            "`sft-runtime prepare-data --val-fraction`)"
+        )
+
+
+def validation_due(config: MasterConfig, step: int, *, final: bool) -> bool:
+    """Whether a validation follows step ``step`` (0: before the first step)."""
+    sft = config.sft
+    if not validation_enabled(config) or config.data.validation is None:
+        return False
+    if step == 0:
+        return sft.val_at_start
+    return bool(sft.val_period and step % sft.val_period == 0) or (final and sft.val_at_end)
+
+
+def val_metric_name(metric_name: str | None) -> str | None:
+    """``val_loss`` for ``val:val_loss``; None for a training metric or none."""
+    if metric_name and metric_name.startswith(VAL_PREFIX):
+        return metric_name.removeprefix(VAL_PREFIX)
+    return None
