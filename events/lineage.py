@@ -137,6 +137,7 @@ class Attempt:
     rolled_back: int = 0
     aborts: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+    validations: list[int] = field(default_factory=list)  # steps whose weights it validated
     repaired_bytes: int = 0
     stop_reason: str | None = None
     stop_error: str | None = None
@@ -177,6 +178,8 @@ def history(log: LogLike) -> History:
             att.aborts.append({k: data[k] for k in ("step", "phase", "error_type", "error")})
         elif rec.type == "checkpoint_saved":
             att.checkpoints.append(data["step"])
+        elif rec.type == "validation_completed":
+            att.validations.append(data["step"])
         elif rec.type == "run_stopped":
             att.stop_reason, att.stop_error = data["reason"], data.get("error")
         elif rec.type == "log_repaired":

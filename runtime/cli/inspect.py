@@ -74,7 +74,10 @@ def cmd_events(args: argparse.Namespace) -> int:
     for col in ("attempt", "started (UTC)", "resumed from", "steps", "rolled back", "aborts"):
         table.add_column(col)
     table.add_column("checkpoints")
+    if any(att.validations for att in hist.attempts):
+        table.add_column("validated")
     table.add_column("ended")
+    validated = any(att.validations for att in hist.attempts)
     for att in hist.attempts:
         steps = f"{att.first_step}-{att.last_step} ({att.steps})" if att.steps else "0"
         table.add_row(
@@ -85,6 +88,7 @@ def cmd_events(args: argparse.Namespace) -> int:
             str(att.rolled_back),
             str(len(att.aborts)),
             ", ".join(map(str, att.checkpoints)) or "-",
+            *([", ".join(map(str, att.validations)) or "-"] if validated else []),
             att.outcome + (f": {att.stop_error}" if att.stop_error else ""),
         )
     console.print(table)
@@ -130,12 +134,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
         state = replay(reader, until_step=args.step)
     except ValueError as exc:
         raise UserInputError(f"{reader.path}: {exc}") from None
+    shown: dict = state.to_dict()
+    last = _last_validation(reader, state.total_steps)
+    if last is not None:  # what a checkpoint here is ranked by with a val: metric
+        shown["last_validation"] = last
     if args.json:
-        print(json.dumps(state.to_dict(), sort_keys=True))
+        print(json.dumps(shown, sort_keys=True))
     else:
-        for key, value in state.to_dict().items():
+        for key, value in shown.items():
             print(f"{key:<20} {value}")
     return 0
+
+
+def _last_validation(reader, until_step: int) -> dict | None:
+    last = None
+    for rec in records_in_effect(reader):
+        if rec.type == "validation_completed" and rec.data["step"] <= until_step:
+            last = {"step": rec.data["step"], "val_loss": rec.data["loss"]}
+    return last
 
 
 def _check_checkpoints(reader, root: Path) -> list[str]:

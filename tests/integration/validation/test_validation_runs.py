@@ -25,6 +25,8 @@ from sft_runtime.events.lineage import records_in_effect
 from sft_runtime.events.log import read_log
 from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.launch.driver import run_training
+from sft_runtime.traces.spans import VALIDATION_SPAN, VALIDATION_WORKER_SPAN
+from sft_runtime.traces.tree import find_job_trace, tag_value
 from tests.support.fixtures import HF_STEPS, VAL_SAMPLES, hf_overrides, val_overrides
 from tests.support.reliability import FSDP, STEPS, committed, validations
 from tests.support.small_run import small_config
@@ -43,6 +45,8 @@ def validated(ray_session, val_data, tmp_path_factory) -> Path:
         "checkpointing.save_period=1",
         "checkpointing.metric_name=val:val_loss",
         "checkpointing.keep_top_k=2",
+        "telemetry.enabled=true",
+        "telemetry.exporters=[jaeger_file]",
     )
     assert run_training(config)["reason"] == "completed"
     return run_dir
@@ -59,8 +63,27 @@ def test_validation_leaves_training_exactly_as_it_was(validated, reference, caps
     val_rows = {r["step"]: r["val"] for r in rows if "val" in r}
     assert {s: v["val_loss"] for s, v in val_rows.items()} == {s: p[0] for s, p in passes.items()}
     assert cli_main(["verify", str(validated)]) == 0
-    assert cli_main(["events", str(validated), "--timeline"]) == 0
-    assert capsys.readouterr().out.count("validation_completed") == len(passes)
+    capsys.readouterr()
+    assert cli_main(["events", str(validated)]) == 0
+    assert "0, 2, 4, 6, 7" in capsys.readouterr().out  # the attempt's validated steps
+    assert cli_main(["replay", str(validated), "--json"]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["last_validation"] == {"step": 7, "val_loss": passes[7][0]}
+
+
+def test_each_validation_is_a_span_with_a_child_per_worker(validated):
+    trace, _ = find_job_trace(validated)
+    spans = trace["spans"]
+    passes = [s for s in spans if s["operationName"] == VALIDATION_SPAN]
+    assert sorted(tag_value(s, "step") for s in passes) == [0, 2, 4, 6, 7]
+    for parent in passes:
+        children = [
+            s
+            for s in spans
+            if s["operationName"] == VALIDATION_WORKER_SPAN
+            and any(r["spanID"] == parent["spanID"] for r in s.get("references") or ())
+        ]
+        assert sorted(tag_value(c, "rank") for c in children) == [0, 1]
 
 
 def test_keep_top_k_by_validation_loss_keeps_the_two_best_and_the_newest(validated):
