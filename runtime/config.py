@@ -8,18 +8,15 @@ the config of one builder in `runtime/` (policy workers, loaders, checkpoints, l
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import math
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sft_runtime.runtime.checkpoint.config import CheckpointingConfig
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
-from sft_runtime.runtime.controller.metrics import STEP_METRIC_KEYS
-from sft_runtime.runtime.controller.metrics_log import TENSORBOARD_INSTALL
 from sft_runtime.runtime.data.config import (
     DataConfig,
     LoaderSpec,
@@ -28,13 +25,13 @@ from sft_runtime.runtime.data.config import (
 )
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.metrics.metrics_log import LoggerConfig
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout
-from sft_runtime.runtime.validation.config import VAL_METRIC_KEYS, VAL_PREFIX, check_validation
+from sft_runtime.runtime.validation.config import check_validation
 from sft_runtime.states import StepRules
 from sft_runtime.traces.config import TelemetryConfig
 
 _Strict = ConfigDict(extra="forbid")
-_DEADLINE = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
 
 
 class PolicySection(PolicyConfig):
@@ -80,85 +77,6 @@ class DataPlaneConfig(BaseModel):
 
     impl: Literal["local"] = "local"
     max_partitions: int = Field(1, ge=1)  # batches a worker may hold (>= 2 prefetches)
-
-
-class LoggerConfig(BaseModel):
-    model_config = _Strict
-
-    log_dir: str | None = None  # default: the run directory
-    jsonl: bool = True
-    tensorboard: bool = False  # event files under <log_dir>/tensorboard/ (an optional extra)
-
-    @field_validator("tensorboard")
-    @classmethod
-    def _tensorboard_installed(cls, value: bool) -> bool:
-        # refused here, before Ray starts, rather than found missing in the controller
-        if value and importlib.util.find_spec("tensorboard") is None:
-            raise ValueError(
-                f"the tensorboard package is not installed: {TENSORBOARD_INSTALL} "
-                "(or set logger.tensorboard=false)"
-            )
-        return value
-
-
-class CheckpointingConfig(BaseModel):
-    model_config = _Strict
-
-    enabled: bool = True
-    checkpoint_dir: str | None = None  # default: <run_dir>/checkpoints
-    save_period: int = Field(10, ge=0)
-    ft_save_period: int = Field(0, ge=0)
-    metric_name: str | None = None
-    higher_is_better: bool = False
-    keep_top_k: int | None = Field(None, ge=1)
-    ft_keep_latest_k: int | None = Field(None, ge=1)
-    checkpoint_must_save_by: str | None = None  # "DD:HH:MM:SS" after the controller starts
-    save_optimizer: bool = True
-    background_writes: bool = True  # workers write while the next steps train
-
-    @field_validator("metric_name")
-    @classmethod
-    def _train_metric(cls, value: str | None) -> str | None:
-        if value is not None and value.startswith(VAL_PREFIX):
-            if value.removeprefix(VAL_PREFIX) not in VAL_METRIC_KEYS:
-                known = ", ".join(VAL_PREFIX + key for key in VAL_METRIC_KEYS)
-                raise ValueError(f"{value!r} is not a validation metric; available: {known}")
-            return value
-        if value is not None and (not value.startswith("train:") or value == "train:"):
-            raise ValueError(
-                "must be null, 'train:<metric>' (for example 'train:loss') or "
-                f"'val:<metric>' (for example 'val:val_loss'), got {value!r}"
-            )
-        if value is not None and value.removeprefix("train:") not in STEP_METRIC_KEYS:
-            known = ", ".join(f"train:{key}" for key in sorted(STEP_METRIC_KEYS))
-            raise ValueError(f"{value!r} is not a training metric; available: {known}")
-        return value
-
-    @field_validator("checkpoint_must_save_by")
-    @classmethod
-    def _deadline(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_deadline(value)
-        return value
-
-    @property
-    def deadline_seconds(self) -> float | None:
-        return (
-            None
-            if self.checkpoint_must_save_by is None
-            else parse_deadline(self.checkpoint_must_save_by)
-        )
-
-
-def parse_deadline(text: str) -> float:
-    """'DD:HH:MM:SS' -> seconds."""
-    match = _DEADLINE.match(text)
-    if not match:
-        raise ValueError(f"must look like DD:HH:MM:SS (for example 00:03:45:00), got {text!r}")
-    days, hours, minutes, seconds = map(int, match.groups())
-    if hours > 23 or minutes > 59 or seconds > 59:
-        raise ValueError(f"hours < 24, minutes and seconds < 60 in {text!r}")
-    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
 class MasterConfig(BaseModel):

@@ -1,13 +1,19 @@
-"""The public face of sft-runtime: the seed API that DESIGN.md and users rely on."""
+"""The public face of sft-runtime: the seed API that DESIGN.md and users rely on, re-exported
+from where each name is defined."""
 
 from __future__ import annotations
 
-import ray
-
 # The private seed names are re-exported here for the specification's tests.
 from sft_runtime.runtime.config import MasterConfig, _max_train_steps  # noqa: F401
-from sft_runtime.runtime.controller.loop import SFTController
-from sft_runtime.runtime.controller.metrics import (  # noqa: F401
+from sft_runtime.runtime.controller.actor import SFTSingleControllerActor
+from sft_runtime.runtime.controller.loop import SFTController  # noqa: F401
+from sft_runtime.runtime.launch.setup import (  # noqa: F401
+    SFTV2ActorArgs,
+    _initial_save_state,
+    _restore_save_state,
+    setup_sft_v2,
+)
+from sft_runtime.runtime.metrics.step_metrics import (  # noqa: F401
     LOADER_LATENCY_MAX_KEY,
     POLICY_TIME_KEY,
     SFT_V2_TEED_METRICS,
@@ -15,16 +21,7 @@ from sft_runtime.runtime.controller.metrics import (  # noqa: F401
     VALID_TOKENS_PER_SECOND_KEY,
     TeedMetric,
 )
-from sft_runtime.runtime.launch.setup import (  # noqa: F401
-    SFTV2ActorArgs,
-    _initial_save_state,
-    _restore_save_state,
-    setup_sft_v2,
-)
 from sft_runtime.states import SFTV2SaveState
-
-# Threaded (max_concurrency=2) so that `request_stop` reaches a controller busy in `run`.
-SFTSingleControllerActor = ray.remote(num_cpus=0, max_concurrency=2, max_restarts=0)(SFTController)
 
 __all__ = [
     "MasterConfig",

@@ -23,7 +23,7 @@ class StepPhase(str, Enum):
 
     @property
     def fault_point(self) -> str:
-        """The fault point just after this phase (see runtime/controller/faults.py)."""
+        """The fault point just after this phase (see runtime/process/faults.py)."""
         return f"stepping:after_{self.value}"
 
 

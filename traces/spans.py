@@ -38,6 +38,15 @@ STEP_SPAN = "rl.sft_v2.step"
 POLICY_TRAINING_SPAN = "rl.sft_v2.policy_training"
 START_STEP_SPAN = "rl.sft_v2.start_step"  # a worker's first call of a step (load, forward)
 SAVE_SPAN = "rl.sft_v2.save"
+# a step's parts, in the worker (under START_STEP_SPAN or the finish call) and the controller
+LOAD_SPAN = "rl.sft_v2.load"  # the loader delivers the step's batch
+LOADER_COMMIT_SPAN = "rl.sft_v2.loader_commit"  # the previous step's batch is committed
+BEGIN_STEP_SPAN = "rl.sft_v2.begin_step"  # the global token count (a collective)
+FORWARD_BACKWARD_SPAN = "rl.sft_v2.forward_backward"
+FINISH_STEP_SPAN = "rl.sft_v2.finish_step"  # gradients, clipping, the optimizer step
+ALLREDUCE_SPAN = "rl.sft_v2.allreduce"
+OPTIMIZER_SPAN = "rl.sft_v2.optimizer"
+EVENT_APPEND_SPAN = "rl.sft_v2.event_append"  # the controller appends step_committed
 VALIDATION_SPAN = "rl.sft_v2.validation"  # a validation pass, in the controller
 VALIDATION_WORKER_SPAN = "rl.sft_v2.validation.worker"  # one worker's share of it
 JOB_TRACE_ATTR = "sft.job.trace_id"

@@ -26,11 +26,11 @@ from typing import Any
 import yaml
 
 from sft_runtime.events import CheckpointSaved
+from sft_runtime.runtime.checkpoint.config import CheckpointingConfig
 from sft_runtime.runtime.checkpoint.loader_states import dumps_loader_states
 from sft_runtime.runtime.checkpoint.store import LOADERS_NAME, CheckpointDir
-from sft_runtime.runtime.config import MasterConfig, run_checkpoints
-from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.states import SFTV2SaveState
 from sft_runtime.states.fold import checkpoint_saved_event
 
@@ -65,18 +65,29 @@ def state_metric(
 class Checkpointer:
     """One run's checkpoints: where they go, what they record, how they are written."""
 
-    def __init__(self, config: MasterConfig, group: Any, store: CheckpointDir | None = None):
-        self.config = config
+    def __init__(
+        self,
+        section: CheckpointingConfig,
+        group: Any,
+        store: CheckpointDir,
+        *,
+        run_config: dict[str, Any],
+        num_threads: int,
+    ) -> None:
+        """``run_config``: the whole run config as plain data (each checkpoint keeps a
+        copy); ``num_threads``: the workers' torch threads (a bitwise resume needs them)."""
+        self.section = section
         self.group = group
-        self.store = store if store is not None else run_checkpoints(config)
-        self._config_yaml = config_yaml(config.model_dump(mode="json"))  # ~2 ms: once a run
+        self.store = store
+        self.num_threads = num_threads
+        self._config_yaml = config_yaml(run_config)  # ~2 ms: once a run
 
     def metric(
         self, metrics: dict[str, Any], val_metrics: dict[str, Any] | None = None
     ) -> dict[str, float]:
         """``{"train:<name>": value}`` (or ``val:<name>``) checkpoints are ranked by; an
         unknown name fails at the first step."""
-        return state_metric(self.config.checkpointing.metric_name, metrics, val_metrics)
+        return state_metric(self.section.metric_name, metrics, val_metrics)
 
     def save(
         self, state: SFTV2SaveState, loader_states: list[bytes], **kwargs: Any
@@ -99,14 +110,14 @@ class Checkpointer:
         tmp = self.store.begin(state.total_steps)
         try:
             policy = tmp / "policy"
-            optimizer = policy / "optimizer" if self.config.checkpointing.save_optimizer else None
+            optimizer = policy / "optimizer" if self.section.save_optimizer else None
             files = self.group.send_save(
                 str(policy / "weights"),
                 None if optimizer is None else str(optimizer),
                 final=final,
                 rng_path=str(policy / "rng"),
                 tokenizer_path=str(policy / "tokenizer"),
-                background=self.config.checkpointing.background_writes,
+                background=self.section.background_writes,
                 carrier=carrier,
             )
         except BaseException:
@@ -115,10 +126,10 @@ class Checkpointer:
         info = {
             "kinds": list(kinds),
             **metric,  # "train:<name>": value, as the reference's training_info has it
-            "metric_name": self.config.checkpointing.metric_name,
+            "metric_name": self.section.metric_name,
             "metric": next(iter(metric.values()), None),
             "attempt": attempt,
-            "num_threads_per_worker": self.config.cluster.num_threads_per_worker,
+            "num_threads_per_worker": self.num_threads,
         }
         return CheckpointWrite(self, state, tmp, files, info)
 

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from sft_runtime.runtime.checkpoint.export import export_checkpoint
+    from sft_runtime.runtime.export.hf_export import export_checkpoint
 
     export_checkpoint(
         args.run_dir,

@@ -3,7 +3,7 @@
 The loop reads like the recipe: set up the loaders, then while in ``loading`` halt or run
 one step, and save when the machine went to ``saving``. The table in `states.machine` says
 which moves exist; this module does each phase's work and fires the trigger that records
-it. `runtime.sft_v2.SFTSingleControllerActor` is this class made remote.
+it. `controller.actor.SFTSingleControllerActor` is this class made remote.
 """
 
 from __future__ import annotations
@@ -24,10 +24,16 @@ from sft_runtime.runtime.config import (
     MasterConfig,
     _max_train_steps,
     loader_spec,
+    run_checkpoints,
     step_rules,
 )
-from sft_runtime.runtime.controller.faults import fault_point
-from sft_runtime.runtime.controller.metrics import (
+from sft_runtime.runtime.controller.step_calls import StepCalls
+from sft_runtime.runtime.controller.teardown import ControllerTeardown
+from sft_runtime.runtime.controller.validation import Validator
+from sft_runtime.runtime.data.factory import build_colocated_loader
+from sft_runtime.runtime.errors import quietly
+from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
+from sft_runtime.runtime.metrics.step_metrics import (
     SAMPLE_COUNT_KEYS,
     SFT_V2_TEED_METRICS,
     check_envelopes,
@@ -36,20 +42,16 @@ from sft_runtime.runtime.controller.metrics import (
     step_metrics,
     step_timings,
 )
-from sft_runtime.runtime.controller.metrics_log import MetricsLogger
-from sft_runtime.runtime.controller.step import StepCalls
-from sft_runtime.runtime.controller.teardown import ControllerTeardown
-from sft_runtime.runtime.controller.validation import Validator
-from sft_runtime.runtime.data.factory import build_colocated_loader
-from sft_runtime.runtime.errors import quietly
-from sft_runtime.runtime.launch.liveness import check_driver
-from sft_runtime.runtime.launch.niceness import set_niceness
 from sft_runtime.runtime.policy.calls import Pending
+from sft_runtime.runtime.process.faults import fault_point
+from sft_runtime.runtime.process.liveness import check_driver
+from sft_runtime.runtime.process.niceness import set_niceness
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase, fold
 from sft_runtime.traces.context import attached, inject_carrier
 from sft_runtime.traces.metrics import StepInstruments
 from sft_runtime.traces.setup import setup_telemetry
 from sft_runtime.traces.spans import (
+    EVENT_APPEND_SPAN,
     JOB_SPAN,
     PHASE_ATTR,
     POLICY_TRAINING_SPAN,
@@ -87,7 +89,13 @@ class SFTController(ControllerTeardown):
         self.group = actor_args.trainer
         self.plan = actor_args.placement_plan
         self.run_dir = Path(master_config.logger.log_dir)
-        self.checkpointer = Checkpointer(master_config, self.group)
+        self.checkpointer = Checkpointer(
+            master_config.checkpointing,
+            self.group,
+            run_checkpoints(master_config),
+            run_config=master_config.model_dump(mode="json"),
+            num_threads=master_config.cluster.num_threads_per_worker,
+        )
         self.ckpt = self.checkpointer.store
         self.max_steps = _max_train_steps(master_config)
         self._stop = threading.Event()
@@ -111,7 +119,7 @@ class SFTController(ControllerTeardown):
         self._stop.set()
 
     def run_with_trace_context(self, _otel_carrier: dict | None = None) -> dict[str, Any]:
-        """`run` in the controller actor: at the run's niceness (see launch/niceness.py), as a
+        """`run` in the controller actor: at the run's niceness (see process/niceness.py), as a
         child of the driver's span; exports this process's spans at the end."""
         set_niceness(self.config.cluster.worker_niceness)
         telemetry = setup_telemetry(
@@ -271,7 +279,7 @@ class SFTController(ControllerTeardown):
                 trace_id=trace_id,
                 span_id=span_id,
             )
-            with traced("rl.sft_v2.event_append", attributes={PHASE_ATTR: P.record.value}):
+            with traced(EVENT_APPEND_SPAN, attributes={PHASE_ATTR: P.record.value}):
                 self.model.commit(event=payload)
             self._fault_after(P.record, step)
         except BaseException as exc:

@@ -17,9 +17,9 @@ from typing import Any
 
 from opentelemetry import trace
 
-from sft_runtime.runtime.controller.faults import fault_point
-from sft_runtime.runtime.controller.metrics import run_summary
 from sft_runtime.runtime.errors import quietly
+from sft_runtime.runtime.metrics.step_metrics import run_summary
+from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.states import ControllerState, StepInFlight
 from sft_runtime.traces.context import inject_carrier, span_ids
 

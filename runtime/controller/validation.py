@@ -17,8 +17,8 @@ from typing import Any
 
 from sft_runtime.events.lineage import records_in_effect
 from sft_runtime.runtime.config import MasterConfig
-from sft_runtime.runtime.controller.faults import fault_point
-from sft_runtime.runtime.controller.metrics import sample_digest
+from sft_runtime.runtime.metrics.step_metrics import sample_digest
+from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.validation.config import validation_due, validation_spec
 from sft_runtime.states import fold
 from sft_runtime.traces.context import inject_carrier

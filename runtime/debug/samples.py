@@ -113,9 +113,9 @@ def read_rank(
     """Restore one rank's loader at the checkpoint and read up to ``start.step``, checking
     every batch's digest against the log."""
     from sft_runtime.runtime.checkpoint.loader_states import load_loader_state
-    from sft_runtime.runtime.controller.metrics import sample_digest
     from sft_runtime.runtime.data.factory import build_colocated_loader
     from sft_runtime.runtime.data.tokenizer import build_tokenizer
+    from sft_runtime.runtime.metrics.step_metrics import sample_digest
 
     loader = build_colocated_loader(spec, rank, world, placement_hash)
     try:

@@ -20,10 +20,11 @@ import ray
 
 from sft_runtime.events.log import next_attempt
 from sft_runtime.runtime.config import MasterConfig
-from sft_runtime.runtime.controller.faults import actor_fault_options, fault_point
+from sft_runtime.runtime.controller.actor import SFTSingleControllerActor
 from sft_runtime.runtime.errors import UserInputError, quietly
+from sft_runtime.runtime.launch.setup import setup_sft_v2
 from sft_runtime.runtime.policy.actor_exit import kill_and_wait
-from sft_runtime.runtime.sft_v2 import SFTSingleControllerActor, setup_sft_v2
+from sft_runtime.runtime.process.faults import actor_fault_options, fault_point
 from sft_runtime.traces.context import inject_carrier
 from sft_runtime.traces.setup import setup_telemetry
 from sft_runtime.traces.spans import DRIVER_SPAN, traced

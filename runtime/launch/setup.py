@@ -24,9 +24,9 @@ from sft_runtime.runtime.data.integrity import check_sample_type
 from sft_runtime.runtime.data.placement import DataLoaderPlacementPlan, build_placement_plan
 from sft_runtime.runtime.data.tokenizer import build_tokenizer
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.launch.liveness import driver_alive, driver_identity
-from sft_runtime.runtime.launch.niceness import embedded_ray_env
 from sft_runtime.runtime.policy.config import ClusterConfig
+from sft_runtime.runtime.process.liveness import driver_alive, driver_identity
+from sft_runtime.runtime.process.niceness import embedded_ray_env
 from sft_runtime.states import SFTV2SaveState, initial_save_state
 from sft_runtime.traces.spans import SETUP_SPANS, traced
 

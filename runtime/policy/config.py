@@ -173,7 +173,7 @@ class ClusterConfig(BaseModel):
     connect_timeout_s: float = Field(10.0, gt=0.0)
     # Ray starts workers at niceness 15, so on a busy machine any other process starves the
     # controller and the training step; they run at this value where permitted (None keeps
-    # Ray's). See launch/niceness.py.
+    # Ray's). See process/niceness.py.
     worker_niceness: int | None = Field(0, ge=-20, le=19)
 
     @model_validator(mode="after")

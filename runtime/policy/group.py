@@ -22,7 +22,6 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from sft_runtime.runtime.controller.faults import actor_fault_options
 from sft_runtime.runtime.errors import PeerStepError, UserInputError
 from sft_runtime.runtime.policy.actor_exit import kill_and_wait
 from sft_runtime.runtime.policy.calls import Pending, Ranks, WorkerCalls
@@ -36,6 +35,7 @@ from sft_runtime.runtime.policy.config import (
     check_batch_layout,
     parse_section,
 )
+from sft_runtime.runtime.process.faults import actor_fault_options
 from sft_runtime.states.step import earliest
 
 __all__ = ["Pending", "PolicyWorkerError", "PolicyWorkerGroup", "PolicyWorkerInputError"]

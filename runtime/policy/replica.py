@@ -40,6 +40,7 @@ from sft_runtime.runtime.policy.loss import NLLLossFn
 from sft_runtime.runtime.policy.model import build_model, forward_logits
 from sft_runtime.runtime.policy.schedule import lr_at
 from sft_runtime.traces.context import TRACER
+from sft_runtime.traces.spans import ALLREDUCE_SPAN, OPTIMIZER_SPAN
 
 TRAINER_STATE_FORMAT = 1
 
@@ -213,7 +214,7 @@ class Replica:
             dtype=torch.float32,
             device=self.device,
         )
-        with TRACER.start_as_current_span("rl.sft_v2.allreduce"):
+        with TRACER.start_as_current_span(ALLREDUCE_SPAN):
             flat = self._all_reduce(torch.cat([g.reshape(-1) for g in grads] + [tail]))
         if not ready:
             phase = "begin_train_step" if step is None else "train_step"
@@ -227,7 +228,7 @@ class Replica:
             p.grad = flat[offset : offset + n].view_as(p)  # views into the reduced buffer
             offset += n
         t1 = time.perf_counter()
-        with TRACER.start_as_current_span("rl.sft_v2.optimizer"):
+        with TRACER.start_as_current_span(OPTIMIZER_SPAN):
             grad_norm = self._clip()
             lr = lr_at(self.steps_done, self.policy.optimizer.lr, self.policy.scheduler)
             for group in self.optimizer.param_groups:

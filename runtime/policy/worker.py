@@ -35,16 +35,21 @@ import ray
 import torch
 import torch.distributed as dist
 
-from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.data.batch import BatchSource, StepEnvelope
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.launch.niceness import set_niceness
 from sft_runtime.runtime.policy.background_writes import BackgroundWrites
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
 from sft_runtime.runtime.policy.worker_state import WRITES_GROUP, WorkerStateMixin
+from sft_runtime.runtime.process.faults import fault_point
+from sft_runtime.runtime.process.niceness import set_niceness
 from sft_runtime.states.step import StepPhase
 from sft_runtime.traces.spans import (
+    BEGIN_STEP_SPAN,
+    FINISH_STEP_SPAN,
+    FORWARD_BACKWARD_SPAN,
+    LOAD_SPAN,
+    LOADER_COMMIT_SPAN,
     PHASE_ATTR,
     START_STEP_SPAN,
     VALIDATION_WORKER_SPAN,
@@ -209,13 +214,11 @@ class PolicyWorkerBase(WorkerStateMixin):
         self._loader = loader
 
     def load_next_sft_batch(self, *, _otel_carrier: dict | None = None) -> StepEnvelope:
-        with traced("rl.sft_v2.load", carrier=_otel_carrier, attributes=self._attrs(P.loading)):
+        with traced(LOAD_SPAN, carrier=_otel_carrier, attributes=self._attrs(P.loading)):
             return self._require_loader().load()
 
     def commit_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
-        with traced(
-            "rl.sft_v2.loader_commit", carrier=_otel_carrier, attributes=self._attrs(P.commit)
-        ):
+        with traced(LOADER_COMMIT_SPAN, carrier=_otel_carrier, attributes=self._attrs(P.commit)):
             self._require_loader().commit()
             self._batch_step = None
 
@@ -256,7 +259,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
     ) -> dict[str, int]:
         """Open a step on the active batch; all-reduce the supervised-token count."""
-        with traced("rl.sft_v2.begin_step", carrier=_otel_carrier, attributes=self._attrs(P.train)):
+        with traced(BEGIN_STEP_SPAN, carrier=_otel_carrier, attributes=self._attrs(P.train)):
             return self.replica.begin(loss_fn, lambda: self._require_loader().active_batch)
 
     def train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
@@ -267,17 +270,13 @@ class PolicyWorkerBase(WorkerStateMixin):
             batch = self._require_loader().active_batch
         except Exception as exc:  # noqa: BLE001 - raised by `train` after the ranks agree
             error, batch = exc, None
-        with traced(
-            "rl.sft_v2.forward_backward", carrier=_otel_carrier, attributes=self._attrs(P.train)
-        ):
+        with traced(FORWARD_BACKWARD_SPAN, carrier=_otel_carrier, attributes=self._attrs(P.train)):
             return self.replica.train(batch, error)
 
     def finish_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """All-reduce gradients, clip, step AdamW and the LR schedule; the step's metrics."""
         fault_point("worker:finish", step=self.replica.steps_done + 1, rank=self.rank)
-        with traced(
-            "rl.sft_v2.finish_step", carrier=_otel_carrier, attributes=self._attrs(P.train)
-        ):
+        with traced(FINISH_STEP_SPAN, carrier=_otel_carrier, attributes=self._attrs(P.train)):
             self._writes.wait_copied()  # a checkpoint being written still reads the weights
             return self.replica.finish()
 
@@ -345,7 +344,7 @@ class PolicyWorkerBase(WorkerStateMixin):
 
         t0 = time.perf_counter()
         try:
-            with traced("rl.sft_v2.begin_step", carrier=carrier, attributes=self._attrs(P.train)):
+            with traced(BEGIN_STEP_SPAN, carrier=carrier, attributes=self._attrs(P.train)):
                 self.replica.begin(loss_fn, active_batch)
         except Exception as exc:
             phase = StepPhase.loading if before_begin else StepPhase.train

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from sft_runtime.runtime.checkpoint.sharded import is_sharded
-from sft_runtime.runtime.controller.faults import POINTS
+from sft_runtime.runtime.process.faults import POINTS
 from tests.support.reliability import (
     FSDP,
     PREFETCH,

@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 import pytest
 
-from sft_runtime.runtime.launch.niceness import RAY_NICENESS_ENV
+from sft_runtime.runtime.process.niceness import RAY_NICENESS_ENV
 from tests.support import sources
 from tests.support.reliability import (
     FSDP,

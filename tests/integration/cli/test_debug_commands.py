@@ -23,12 +23,12 @@ from sft_runtime.events.record import GENESIS, encode
 from sft_runtime.events.run_diff import step_facts
 from sft_runtime.runtime.cli.main import main
 from sft_runtime.runtime.config import load_config, loader_spec
-from sft_runtime.runtime.controller.metrics import sample_digest
 from sft_runtime.runtime.data.loader import ColocatedLoader
 from sft_runtime.runtime.data.task_encoder import encode_conversation
 from sft_runtime.runtime.data.tokenizer import ByteTokenizer
 from sft_runtime.runtime.debug.samples import batch_samples
 from sft_runtime.runtime.launch.driver import run_training
+from sft_runtime.runtime.metrics.step_metrics import sample_digest
 from tests.support.fixtures import data_set_messages
 from tests.support.small_run import small_config
 

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from sft_runtime.events import read_log
-from sft_runtime.runtime.controller.faults import ENV, HOLD_ENV
 from sft_runtime.runtime.launch.driver import run_training
-from sft_runtime.runtime.launch.niceness import RAY_NICENESS_ENV
+from sft_runtime.runtime.process.faults import ENV, HOLD_ENV
+from sft_runtime.runtime.process.niceness import RAY_NICENESS_ENV
 from tests.support.reliability import TAG_VAR
 from tests.support.small_run import small_config
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sft_runtime.runtime.launch.liveness import (
+from sft_runtime.runtime.process.liveness import (
     DriverGone,
     check_driver,
     driver_alive,

@@ -12,8 +12,8 @@ import yaml
 
 from sft_runtime.runtime.cli.main import main
 from sft_runtime.runtime.config import apply_override, validate_config
-from sft_runtime.runtime.controller.metrics_log import MetricsLogger, read_metrics
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.metrics.metrics_log import MetricsLogger, read_metrics
 from tests.support.small_run import small_raw
 
 INSTALL = "pip install 'sft-runtime[tensorboard]'"

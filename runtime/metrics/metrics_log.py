@@ -8,17 +8,35 @@ becomes the scalar ``train/loss`` at global step N, so a key means the same in b
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
-
-if TYPE_CHECKING:
-    from sft_runtime.runtime.config import LoggerConfig
+from pydantic import BaseModel, ConfigDict, field_validator
 
 TENSORBOARD_DIR = "tensorboard"
 TENSORBOARD_INSTALL = "pip install 'sft-runtime[tensorboard]'"
+
+
+class LoggerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    log_dir: str | None = None  # default: the run directory
+    jsonl: bool = True
+    tensorboard: bool = False  # event files under <log_dir>/tensorboard/ (an optional extra)
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, value: bool) -> bool:
+        # refused here, before Ray starts, rather than found missing in the controller
+        if value and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(
+                f"the tensorboard package is not installed: {TENSORBOARD_INSTALL} "
+                "(or set logger.tensorboard=false)"
+            )
+        return value
 
 
 class MetricsLogger:

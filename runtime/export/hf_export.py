@@ -35,9 +35,9 @@ from sft_runtime.events.log import fsync_dir
 from sft_runtime.runtime.checkpoint.policy_files import WEIGHTS_FILE, WEIGHTS_INDEX, shard_names
 from sft_runtime.runtime.checkpoint.store import CheckpointDir, fsync_tree
 from sft_runtime.runtime.checkpoint.weight_reader import WeightReader
-from sft_runtime.runtime.controller.faults import fault_point
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.hf_model import own_names
+from sft_runtime.runtime.process.faults import fault_point
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # as `save_pretrained`

@@ -1,0 +1,1 @@
+"""Process-level helpers every folder may use: fault points, niceness, the driver's liveness."""
