@@ -262,8 +262,7 @@ class SFTController(ControllerTeardown):
                 policy_time=t_done - load_time,
                 total_time=st.seconds_since_start(),
             )
-            now.enter(P.metrics)
-            self._checkpoint_metric(metrics)  # an unknown metric name fails at step 1
+            now.enter(P.metrics)  # the config refused an unknown checkpoint metric already
             now.enter(P.commit)
             self._check_driver()  # a killed run commits no step after its driver died
             self.calls.recorded()  # the loader commit goes with the next start
@@ -370,8 +369,8 @@ class SFTController(ControllerTeardown):
 
     def _checkpoint_metric(self, metrics: dict[str, Any]) -> dict[str, float]:
         """``{"train:<name>": value}`` for ``checkpointing.metric_name`` (``{}`` without
-        one; ``val:<name>`` from the latest validation); an unknown name fails at the first
-        step, listing the known ones."""
+        one; ``val:<name>`` from the latest validation); the config refuses an unknown name
+        before Ray starts."""
         return self.checkpointer.metric(metrics, self.validator.latest)
 
     def _validate_if_due(self) -> None:

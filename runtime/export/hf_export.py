@@ -38,6 +38,7 @@ from sft_runtime.runtime.checkpoint.weight_reader import WeightReader
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.hf_model import own_names
 from sft_runtime.runtime.process.faults import fault_point
+from sft_runtime.runtime.process.liveness import pid_alive
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # as `save_pretrained`
@@ -161,18 +162,8 @@ def _remove_stale(out: Path) -> None:
     """Temporary folders of earlier exports to ``out`` whose process is gone (killed)."""
     for tmp in out.parent.glob(f".{out.name}.tmp-*"):
         pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _checkpoint(store: CheckpointDir, step: int | None) -> Path:

@@ -10,12 +10,13 @@ table, so an actor too stuck to answer a call still has one.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import ray
+
+from sft_runtime.runtime.process.liveness import pid_alive
 
 EXIT_WAIT_S = 10.0
 _POLL_S = 0.02
@@ -34,7 +35,7 @@ def kill_and_wait(actors: Iterable[Any], timeout_s: float = EXIT_WAIT_S) -> None
             pass
     deadline = time.monotonic() + timeout_s
     while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if _alive(pid)]
+        pids = [pid for pid in pids if pid_alive(pid)]
         if pids:
             time.sleep(_POLL_S)
 
@@ -50,13 +51,3 @@ def _local_pid(actor: Any) -> int | None:
         return int(row["Pid"]) or None
     except Exception:  # noqa: BLE001 - no pid only means no wait
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -25,12 +25,18 @@ def driver_alive(info: dict[str, Any]) -> bool | None:
     pid = info.get("driver_pid")
     if not isinstance(pid, int) or info.get("driver_host") != socket.gethostname():
         return None
+    return pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """A process of this pid runs on this host (one of another user's counts; a zombie,
+    killed but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return None
+        return True
     return not _zombie(pid)
 
 

@@ -234,6 +234,23 @@ def train_tokenizer(
     return AutoTokenizer.from_pretrained(str(out_dir))
 
 
+TINY = {  # two small layers with grouped-query attention: every family's tiny test size
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def tiny_model(config_cls: Any, model_cls: Any, *, seed: int = 0, **config: Any) -> Any:
+    """A model of ``model_cls`` at the `TINY` sizes (``config`` adds or overrides keys), its
+    weights drawn from ``seed`` without touching the caller's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_cls(config_cls(**{**TINY, **config}))
+
+
 def build_model(
     out_dir: str | Path,
     *,
@@ -265,20 +282,15 @@ def build_model(
         raise ValueError(f"family must be one of {sorted(classes)}, got {family!r}")
     config_cls, model_cls = classes[family]
     ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
-    config = config_cls(
+    model = tiny_model(
+        config_cls,
+        model_cls,
+        seed=seed,
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         **ids,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
     model = model.to(dtype)
     model.config.dtype = dtype
     model.generation_config = GenerationConfig(**ids)

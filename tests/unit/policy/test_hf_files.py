@@ -15,7 +15,7 @@ import torch
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.hf_files import check_hf_weights
 from sft_runtime.runtime.policy.hf_model import hf_config
-from tests.support.hf_models import build_model
+from tests.support.hf_models import build_model, tiny_model
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -88,16 +88,8 @@ def test_a_good_sharded_folder_passes(sharded):
 def test_tied_weights_the_file_omits_and_extra_tensors_pass(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(str(tmp_path))
+    model = tiny_model(LlamaConfig, LlamaForCausalLM, vocab_size=97, tie_word_embeddings=True)
+    model.save_pretrained(str(tmp_path))
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / WEIGHTS), "pt") as fh:

@@ -23,7 +23,7 @@ from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.config import ParallelConfig
 from sft_runtime.runtime.policy.hf_model import load_hf_model
 from sft_runtime.runtime.policy.hf_shards import can_slice, fill_from_folder, skeleton
-from tests.support.hf_models import build_model
+from tests.support.hf_models import build_model, tiny_model
 from tests.support.memory import LargestTensor
 
 WORLD = 2
@@ -33,19 +33,15 @@ VOCAB = 97  # odd: the last rank's shard of the embedding is a row shorter
 def _tied(out: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    model = tiny_model(
+        LlamaConfig,
+        LlamaForCausalLM,
+        seed=1,
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=64,
         tie_word_embeddings=True,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        LlamaForCausalLM(config).save_pretrained(str(out))
+    model.save_pretrained(str(out))
 
 
 @pytest.fixture(scope="module", params=["one-file", "indexed-bf16", "tied"])

@@ -16,7 +16,7 @@ from sft_runtime.runtime.policy.packed_attention import (
     packed_sdpa,
     segment_bounds,
 )
-from tests.support.hf_models import build_model
+from tests.support.hf_models import build_model, tiny_model
 from tests.support.memory import LargestTensor
 
 VOCAB = 97
@@ -37,19 +37,14 @@ def _mistral(out) -> None:
     """Mistral with GQA and a sliding window shorter than the samples (its mask is banded)."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(
+    model = tiny_model(
+        MistralConfig,
+        MistralForCausalLM,
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=64,
         sliding_window=WINDOW,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        MistralForCausalLM(config).save_pretrained(str(out))
+    model.save_pretrained(str(out))
 
 
 def _rows(layout: list[list[int]], width: int, seed: int = 0):
