@@ -42,6 +42,7 @@ BENCHMARKS = [
     "prefetch",
     "scaling",
     "resume",
+    "load_memory",
     "shutdown",
 ]
 MARK = "bench-rows: "

@@ -4,9 +4,11 @@
 memory before `fully_shard` keeps a slice of it (8 workers of a 70B model: 8 x 280 GB). Here
 the model is built with its parameters on the meta device (`skeleton`), sharded as usual, and
 only then given storage (`fill_from_folder`): each rank reads, from the folder's safetensors
-files, only the rows of each tensor that its shard holds (a memory-mapped slice; one file or
-many under ``model.safetensors.index.json``) and casts them to float32 in place. A process
-therefore holds its share of the model plus the one slice being cast, rank 0 included.
+files, only the rows of each tensor that its shard holds (one contiguous read per tensor into a
+buffer of its own, nothing memory-mapped; one file or many under
+``model.safetensors.index.json``) and casts them to float32 as it copies them into place. A
+process therefore holds its share of the model plus the one slice being read, rank 0
+included.
 
 What `from_pretrained` would have done beside the weights is kept:
 - Buffers stay real while the model is built (only parameters go to the meta device), so the
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +38,7 @@ import torch
 from torch import nn
 
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.policy.hf_files import SAFE_INDEX, SAFE_WEIGHTS
+from sft_runtime.runtime.policy.hf_files import SAFE_INDEX, SAFE_WEIGHTS, read_safetensors_header
 from sft_runtime.runtime.policy.hf_model import hf_config, is_local
 from sft_runtime.runtime.policy.packed_attention import register_packed_attention
 
@@ -166,12 +170,61 @@ def _local_slices(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
+class _RowReader:
+    """Slices of one safetensors file's tensors, read with plain file reads: a run of rows
+    (what FSDP's dim-0 shards are) is one contiguous range of bytes, read into a buffer of its
+    own. Nothing of the file is memory-mapped, so no page of it counts in this process's
+    memory beyond the one buffer; other slicings go through safetensors."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        self.entries = read_safetensors_header(file)
+        self._fh = open(file, "rb")  # noqa: SIM115 - closed by close()
+        (header_bytes,) = struct.unpack("<Q", self._fh.read(8))
+        self._data = 8 + header_bytes
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+    def read(self, name: str, where: tuple[slice, ...]) -> torch.Tensor:
+        entry = self.entries[name]
+        dtype = _TORCH_DTYPES.get(entry.dtype)
+        whole_rows = all(s == slice(0, n) for s, n in zip(where[1:], entry.shape[1:], strict=True))
+        if dtype is None or not where or not whole_rows:
+            from safetensors import safe_open
+
+            with safe_open(str(self.file), framework="pt") as f:
+                return f.get_slice(name)[where]
+        row = math.prod(entry.shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        first, last = where[0].start, where[0].stop
+        buffer = bytearray((last - first) * row)
+        self._fh.seek(self._data + entry.begin + first * row)
+        if self._fh.readinto(buffer) != len(buffer):
+            raise UserInputError(f"{self.file}: truncated inside tensor {name}")
+        return torch.frombuffer(buffer, dtype=dtype).view(last - first, *entry.shape[1:])
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 @torch.no_grad()
 def fill_from_folder(model: nn.Module, path: str, device: torch.device) -> dict[str, int]:
     """Storage for the sharded `skeleton` on ``device``, each local shard read from the
     folder's files; returns the elements read here and the model's whole count."""
-    from safetensors import safe_open
-
     folder = Path(path).expanduser()
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
@@ -198,18 +251,21 @@ def fill_from_folder(model: nn.Module, path: str, device: torch.device) -> dict[
     params = dict(model.named_parameters())
     read = whole = 0
     for file, pairs in sorted(wanted.items()):
-        with safe_open(str(file), framework="pt") as f:
+        rows = _RowReader(file)
+        try:
             for name, stored in pairs:
                 param = params[name]
                 local, where = _local_slices(param)
-                part = f.get_slice(stored)
-                if tuple(part.get_shape()) != tuple(param.shape):
+                shape = rows.shape(stored)
+                if shape != tuple(param.shape):
                     raise UserInputError(
                         f"policy.model.hf_path {path!r}: {stored} in {file.name} has shape "
-                        f"{list(part.get_shape())}, the model expects {list(param.shape)}"
+                        f"{list(shape)}, the model expects {list(param.shape)}"
                     )
                 if local.numel():
-                    local.copy_(part[where].to(local.dtype))
+                    local.copy_(rows.read(stored, where))  # cast as it copies: no temporary
                 read += local.numel()
                 whole += param.numel()
+        finally:
+            rows.close()
     return {"elements_read": read, "elements_whole": whole}
