@@ -140,13 +140,19 @@ def load_full_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """This rank's shards: ``{"model": ...}`` and, with an optimizer, ``"optimizer"``."""
+    """This rank's shards: ``{"model": ...}`` and, with an optimizer, ``"optimizer"``. A
+    parameter shared under two names (an LM head tied to the embedding) is kept under its
+    first name only, as the whole-weights checkpoint keeps it: written once, not twice."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    shared = set(dict(model.named_parameters(remove_duplicate=False))) - set(
+        dict(model.named_parameters())
+    )
+    model_state = {k: v for k, v in get_model_state_dict(model).items() if k not in shared}
+    state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state
@@ -161,7 +167,9 @@ def load_sharded_state(
         set_optimizer_state_dict,
     )
 
-    set_model_state_dict(model, state["model"])
+    # not strict: a tied duplicate is absent by design (the shared parameter is filled under
+    # its first name); every other key was read, or the checkpoint load already failed
+    set_model_state_dict(model, state["model"], options=_options(strict=False))
     if optimizer is not None and "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 

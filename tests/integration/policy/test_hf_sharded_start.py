@@ -121,16 +121,10 @@ def test_a_sharded_start_trains_as_the_unsharded_load_does(
         ref_loss, ref_digests = want[step]
         assert digests == ref_digests, step  # the same samples on the same ranks
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=0), step
-    # the same tensors under the same names: the unsharded checkpoint holds a tied head once,
-    # as the embedding; the sharded one (torch.distributed.checkpoint's state dict) holds it
-    # under both names, which is allowed here only as an exact copy (export writes it once)
+    # the same tensors under the same names: both checkpoints hold a tied head once, as the
+    # embedding
     whole = load_weights(unsharded, HF_STEPS)
-    names = set(sharded.weights)
-    if "lm_head.weight" not in whole and "lm_head.weight" in names:
-        head, embedding = sharded.weights["lm_head.weight"], sharded.weights[EMBEDDING]
-        assert torch.equal(head, embedding)
-        names.discard("lm_head.weight")
-    assert sorted(names) == sorted(whole)
+    assert sorted(sharded.weights) == sorted(whole)
 
 
 def test_a_sharded_run_killed_mid_run_resumes_to_the_uninterrupted_run_bit_for_bit(
