@@ -43,6 +43,7 @@ BENCHMARKS = [
     "scaling",
     "resume",
     "load_memory",
+    "hf_start_readers",
     "shutdown",
 ]
 MARK = "bench-rows: "

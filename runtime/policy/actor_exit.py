@@ -35,7 +35,7 @@ def kill_and_wait(actors: Iterable[Any], timeout_s: float = EXIT_WAIT_S) -> None
             pass
     deadline = time.monotonic() + timeout_s
     while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if pid_alive(pid)]
+        pids = [pid for pid in pids if pid_alive(pid, until_reaped=True)]
         if pids:
             time.sleep(_POLL_S)
 

@@ -28,16 +28,17 @@ def driver_alive(info: dict[str, Any]) -> bool | None:
     return pid_alive(pid)
 
 
-def pid_alive(pid: int) -> bool:
-    """A process of this pid runs on this host (one of another user's counts; a zombie,
-    killed but not yet reaped, does not)."""
+def pid_alive(pid: int, *, until_reaped: bool = False) -> bool:
+    """A process of this pid runs on this host (one of another user's counts). A zombie,
+    killed but not yet reaped, does not, unless ``until_reaped``: a caller that must find
+    the pid gone (a teardown whose driver exits next) waits for its parent to reap it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return not _zombie(pid)
+    return until_reaped or not _zombie(pid)
 
 
 def _zombie(pid: int) -> bool:
