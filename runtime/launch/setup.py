@@ -178,6 +178,10 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
                 from sft_runtime.runtime.policy.packed_attention import check_packed_attention
 
                 check_packed_attention(hf, hf_path)
+            if config.policy.lora.enabled:
+                from sft_runtime.runtime.lora.adapters import check_lora
+
+                check_lora(hf, config.policy.lora)
         tokenizer = tokenizer_or_processor or build_tokenizer(config.policy.tokenizer)
         check_model_covers(config, tokenizer.vocab_size)
         probe_run_lock(run_dir)
@@ -186,6 +190,11 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
         span.set_attribute("sft.resume.step", resume.step or 0)
         if resume.step:
             check_weights_layout(resume.policy_dir / "weights", config.policy.parallel.fsdp)
+            if config.policy.model.kind == "hf":
+                from sft_runtime.runtime.lora.base import check_base
+
+                lora, hf_path = config.policy.lora.enabled, config.policy.model.hf_path
+                check_base(resume.policy_dir / "weights", lora, hf_path)
     with traced(SETUP_SPANS["ray"]):
         ensure_ray(config.cluster)
     restore = None

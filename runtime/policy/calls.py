@@ -210,8 +210,8 @@ class WorkerCalls:
     ) -> list[dict]:
         return self._run("load_checkpoint", weights_path, optimizer_path, rng_path=rng_path)
 
-    def get_weights(self, *, ranks: Ranks = "all") -> list[dict]:
-        return self._run("get_weights", ranks=ranks)
+    def get_weights(self, *, ranks: Ranks = "all", include_frozen: bool = False) -> list[dict]:
+        return self._run("get_weights", ranks=ranks, include_frozen=include_frozen)
 
     def get_optimizer_state(self, *, ranks: Ranks = "all") -> list[dict]:
         return self._run("get_optimizer_state", ranks=ranks)

@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.lora.config import LoraConfig
 
 _Strict = ConfigDict(extra="forbid")
 
@@ -139,9 +140,17 @@ class PolicyConfig(BaseModel):
     make_sequence_length_divisible_by: int = Field(1, ge=1)
     precision: Literal["float32", "bfloat16"] = "float32"
     parallel: ParallelConfig = ParallelConfig()
+    # adapters on a frozen base (runtime.lora); the base is then stored in `precision`
+    lora: LoraConfig = LoraConfig()
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
+        if self.lora.enabled and self.model.kind != "hf":
+            raise ValueError(
+                "policy.lora.enabled=true needs a pretrained Hugging Face model "
+                "(policy.model.kind=hf and policy.model.hf_path): adapters fine-tune a "
+                "frozen base, and the built-in transformer has none"
+            )
         if self.train_global_batch_size % self.train_micro_batch_size != 0:
             raise ValueError(
                 f"policy.train_global_batch_size={self.train_global_batch_size} must be a "

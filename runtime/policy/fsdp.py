@@ -118,11 +118,18 @@ def _options(**kwargs: Any) -> Any:
     return StateDictOptions(**kwargs)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer, whole, under the model's own names (a collective)."""
+def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (or, ``trainable_only``, the parameters that train: a LoRA
+    run's adapters, the frozen base not gathered), whole, under the model's own names (a
+    collective)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options(full_state_dict=True))
+    options = _options(full_state_dict=True, ignore_frozen_params=trainable_only)
+    state = get_model_state_dict(model, options=options)
+    if trainable_only:
+        trains = {n for n, p in model.named_parameters() if p.requires_grad}
+        state = {k: v for k, v in state.items() if k in trains}
+    return state
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -65,9 +65,12 @@ def hf_config(path: str) -> Any:
         raise UserInputError(f"policy.model.hf_path {path!r}: unreadable config ({exc})") from None
 
 
-def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
-    """The pretrained model in float32, every weight from the folder (see module docstring).
-    SDPA is loaded as `PACKED_ATTENTION`, which is SDPA itself for rows of one sample."""
+def load_hf_model(
+    path: str, *, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """The pretrained model in float32 (or ``dtype``: a frozen LoRA base), every weight from
+    the folder (see module docstring). SDPA is loaded as `PACKED_ATTENTION`, which is SDPA
+    itself for rows of one sample."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -76,7 +79,7 @@ def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
         attn_implementation = register_packed_attention()
     model, info = AutoModelForCausalLM.from_pretrained(
         path,
-        dtype=torch.float32,
+        dtype=dtype,
         attn_implementation=attn_implementation,
         local_files_only=is_local(path),
         output_loading_info=True,

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.lora.adapters import base_name, is_adapter
 from sft_runtime.runtime.policy.hf_files import SAFE_INDEX, SAFE_WEIGHTS, read_safetensors_header
 from sft_runtime.runtime.policy.hf_model import hf_config, is_local
 from sft_runtime.runtime.policy.packed_attention import register_packed_attention
@@ -83,8 +84,10 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def skeleton(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
-    """The model of the folder's config.json with float32 parameters on the meta device and
+def skeleton(
+    path: str, *, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """The model of the folder's config.json with ``dtype`` parameters on the meta device and
     real buffers: what `fill_from_folder` gives storage and weights once it is sharded."""
     from transformers import AutoModelForCausalLM
 
@@ -93,7 +96,7 @@ def skeleton(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
     config = hf_config(path)
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation, dtype=torch.float32
+            config, attn_implementation=attn_implementation, dtype=dtype
         )
     model.generation_config = _generation_config(path, model.generation_config)
     return model
@@ -122,11 +125,12 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
 
 def _checkpoint_name(model: nn.Module, name: str, names: dict[str, Path]) -> str | None:
     """The checkpoint's name for parameter or buffer ``name``: as is, without the base
-    model's prefix (older checkpoints), or under a name it is tied to."""
+    model's prefix (older checkpoints), or under a name it is tied to. A layer peft made a
+    LoRA layer holds its frozen weight as ``base_layer``, which the base's files do not."""
     prefix = getattr(model, "base_model_prefix", "") + "."
-    candidates = [name]
-    if name.startswith(prefix):
-        candidates.append(name[len(prefix) :])
+    candidates = [base_name(name)]
+    if candidates[0].startswith(prefix):
+        candidates.append(candidates[0][len(prefix) :])
     candidates += [a for a in _aliases(model).get(name, ())]
     return next((c for c in candidates if c in names), None)
 
@@ -224,7 +228,9 @@ _TORCH_DTYPES = {
 @torch.no_grad()
 def fill_from_folder(model: nn.Module, path: str, device: torch.device) -> dict[str, int]:
     """Storage for the sharded `skeleton` on ``device``, each local shard read from the
-    folder's files; returns the elements read here and the model's whole count."""
+    folder's files; returns the elements read here and the model's whole count. LoRA
+    adapters are not the folder's: they get storage here and their values from
+    `init_adapters` after."""
     folder = Path(path).expanduser()
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
@@ -235,6 +241,8 @@ def fill_from_folder(model: nn.Module, path: str, device: torch.device) -> dict[
     wanted: dict[Path, list[tuple[str, str]]] = {}
     absent = []
     for name, _ in model.named_parameters():
+        if is_adapter(name):
+            continue
         stored = _checkpoint_name(model, name, names)
         if stored is None:
             absent.append(name)

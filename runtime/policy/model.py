@@ -109,8 +109,11 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def build_model(cfg: ModelConfig, *, sharded: bool = False) -> nn.Module:
-    """The model ``policy.model`` names: our transformer, or a pretrained HF causal LM.
+def build_model(
+    cfg: ModelConfig, *, sharded: bool = False, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """The model ``policy.model`` names: our transformer, or a pretrained HF causal LM whose
+    parameters are ``dtype`` (a frozen LoRA base may be stored in bfloat16).
     ``sharded`` (FSDP): an HF model comes as a skeleton whose parameters are on the meta
     device, to be filled with this rank's slices once sharded (`hf_shards`), wherever its
     folder can be read in slices."""
@@ -120,8 +123,10 @@ def build_model(cfg: ModelConfig, *, sharded: bool = False) -> nn.Module:
 
         assert cfg.hf_path is not None  # the config requires it
         if sharded and hf_shards.can_slice(cfg.hf_path):
-            return hf_shards.skeleton(cfg.hf_path, attn_implementation=cfg.attn_implementation)
-        return load_hf_model(cfg.hf_path, attn_implementation=cfg.attn_implementation)
+            return hf_shards.skeleton(
+                cfg.hf_path, attn_implementation=cfg.attn_implementation, dtype=dtype
+            )
+        return load_hf_model(cfg.hf_path, attn_implementation=cfg.attn_implementation, dtype=dtype)
     return TinyTransformer(cfg)
 
 

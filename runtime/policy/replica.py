@@ -32,7 +32,13 @@ import torch.distributed as dist
 
 from sft_runtime.runtime.checkpoint import sharded
 from sft_runtime.runtime.data.batch import SFTBatch
-from sft_runtime.runtime.errors import PeerStepError
+from sft_runtime.runtime.errors import PeerStepError, UserInputError
+from sft_runtime.runtime.lora.adapters import (
+    adapter_parameters,
+    add_adapters,
+    init_adapters,
+    is_adapter,
+)
 from sft_runtime.runtime.policy import fsdp
 from sft_runtime.runtime.policy.config import PolicyConfig
 from sft_runtime.runtime.policy.hf_model import hf_state_dict, load_hf_state_dict, own_names
@@ -63,9 +69,15 @@ class Replica:
     def __init__(self, policy: PolicyConfig, *, seed: int, device: torch.device) -> None:
         self.policy = policy
         self.device = device
+        self.seed = seed
+        lora = policy.lora.enabled
+        # a frozen LoRA base may be stored in the training precision: it gets no optimizer
+        base_dtype = torch.bfloat16 if lora and policy.precision == "bfloat16" else torch.float32
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # same initial weights on every rank
-            self.model = build_model(policy.model, sharded=policy.parallel.fsdp)
+            self.model = build_model(policy.model, sharded=policy.parallel.fsdp, dtype=base_dtype)
+            # the layers peft adapts (None: a full fine-tune); see runtime.lora
+            self.lora_targets = add_adapters(self.model, policy.lora, seed=seed) if lora else None
         if not policy.parallel.fsdp:
             self.model.to(device)
         # sharded, the model waits in host memory (a pretrained one as a skeleton with no
@@ -102,6 +114,8 @@ class Replica:
 
             assert self.policy.model.hf_path is not None
             self.start_read = fill_from_folder(self.model, self.policy.model.hf_path, self.device)
+            if self.lora_targets is not None:
+                init_adapters(self.model, self.policy.lora, seed=self.seed)
         self.sharded = True
         self._make_optimizer()
 
@@ -262,19 +276,33 @@ class Replica:
         return {"aborted": was_open, "step": self.steps_done}
 
     # ----------------------------------------------------------------- state
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, *, include_frozen: bool = False) -> dict[str, torch.Tensor]:
         """A copy of parameters and buffers as contiguous CPU tensors (safetensors-ready),
-        under the model's own names; a tied weight once."""
-        if self.sharded:
-            state = fsdp.full_state_dict(self.model)  # a collective: every rank calls it
-            state = {k: state[k] for k in own_names(self.model)}
+        under the model's own names; a tied weight once. With LoRA, the adapters only (what
+        trains and what a checkpoint holds), unless ``include_frozen``."""
+        adapters_only = self.lora_targets is not None and not include_frozen
+        if self.sharded:  # a collective: every rank calls it
+            state = fsdp.full_state_dict(self.model, trainable_only=adapters_only)
+            state = {k: state[k] for k in own_names(self.model) if k in state}
+        elif adapters_only:
+            state = dict(adapter_parameters(self.model))
         else:
             state = hf_state_dict(self.model) if self.is_hf else self.model.state_dict()
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.lora_targets is not None:
+            expected = {name for name, _ in adapter_parameters(self.model)}
+            if set(tensors) != expected:
+                raise UserInputError(
+                    "checkpoint adapters do not match the model's: missing "
+                    f"{sorted(expected - set(tensors))[:5]}, unexpected "
+                    f"{sorted(set(tensors) - expected)[:5]} (was policy.lora changed?)"
+                )
         if self.sharded:
             fsdp.load_full_state_dict(self.model, tensors)
+        elif self.lora_targets is not None:
+            self.model.load_state_dict(tensors, strict=False)
         elif self.is_hf:
             load_hf_state_dict(self.model, tensors)
         else:
@@ -310,18 +338,25 @@ class Replica:
     def save_shards(self, weights_path: str, optimizer_path: str | None) -> list[str]:
         """This rank's shards of weights and optimizer (a collective; see
         `runtime.checkpoint.sharded`)."""
-        state = fsdp.sharded_state(self.model, self.optimizer if optimizer_path else None)
+        state = self._sharded_state(optimizer_path)
         files = sharded.save_shards(weights_path, {"model": state["model"]})
         if optimizer_path is not None:
             files += sharded.save_shards(optimizer_path, {"optimizer": state["optimizer"]})
         return files
 
     def load_shards(self, weights_path: str, optimizer_path: str | None) -> None:
-        state = fsdp.sharded_state(self.model, self.optimizer if optimizer_path else None)
+        state = self._sharded_state(optimizer_path)
         sharded.load_shards(weights_path, {"model": state["model"]})
         if optimizer_path is not None:
             sharded.load_shards(optimizer_path, {"optimizer": state["optimizer"]})
         fsdp.load_sharded_state(self.model, self.optimizer if optimizer_path else None, state)
+
+    def _sharded_state(self, optimizer_path: str | None) -> dict[str, Any]:
+        """This rank's shards to save or fill: with LoRA the frozen base is not among them."""
+        state = fsdp.sharded_state(self.model, self.optimizer if optimizer_path else None)
+        if self.lora_targets is not None:
+            state["model"] = {k: v for k, v in state["model"].items() if is_adapter(k)}
+        return state
 
     def local_storage(self) -> dict[str, int]:
         """Elements of parameters, gradients and optimizer state this rank holds, and of the

@@ -18,6 +18,7 @@ from sft_runtime.runtime.checkpoint import policy_files as ckpt
 from sft_runtime.runtime.checkpoint import sharded
 from sft_runtime.runtime.data.tokenizer import save_tokenizer
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.lora.base import BASE_FILE, base_record, weights_digest
 from sft_runtime.runtime.policy.background_writes import BackgroundWrites, Copies, Write
 from sft_runtime.runtime.policy.hf_model import write_hf_config
 
@@ -129,7 +130,11 @@ class WorkerStateMixin:
             if not self.replica.sharded:  # a CPU copy either way: never two held at once
                 weights = copies.add("weights", self.replica.weights)
                 writes.append(lambda: ckpt.save_weights(weights_path, weights()))
-            if self.replica.is_hf:
+            if self.replica.lora_targets is not None:  # adapters: name the base they need
+                record = self._lora_record()
+                base_file = os.path.join(weights_path, BASE_FILE)
+                writes.append(lambda: [ckpt.atomic_write(base_file, lambda fh: fh.write(record))])
+            elif self.replica.is_hf:
                 model = self.replica.model  # only its config is read
                 writes.append(lambda: write_hf_config(model, weights_path, dtype=torch.float32))
             if tokenizer_path is not None:
@@ -140,6 +145,18 @@ class WorkerStateMixin:
         rng = ckpt.capture_rng(self.num_threads)
         writes.append(lambda: [ckpt.save_torch(rng_file, rng)])
         return writes
+
+    def _lora_record(self) -> bytes:
+        """``lora.json`` of this run: the base's digest is taken once, when first saved."""
+        if getattr(self, "_base_digest", None) is None:
+            self._base_digest = weights_digest(self.policy.model.hf_path)
+        lora = self.policy.lora
+        return base_record(
+            self.policy.model.hf_path,
+            self._base_digest,
+            self.replica.lora_targets,
+            lora.model_dump(),
+        )
 
     def load_checkpoint(
         self,
@@ -176,9 +193,12 @@ class WorkerStateMixin:
         return {"rank": self.rank, "step": self.replica.steps_done, "rng": rng_state is not None}
 
     # ----------------------------------------------------------------- inspection
-    def get_weights(self, *, _otel_carrier: dict | None = None) -> dict[str, torch.Tensor]:
-        """A CPU copy of the weights (tests and debugging)."""
-        return self.replica.weights()
+    def get_weights(
+        self, *, include_frozen: bool = False, _otel_carrier: dict | None = None
+    ) -> dict[str, torch.Tensor]:
+        """A CPU copy of the weights (tests and debugging); with LoRA the adapters, or with
+        ``include_frozen`` the frozen base beside them."""
+        return self.replica.weights(include_frozen=include_frozen)
 
     def get_optimizer_state(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """A CPU copy of the optimizer + schedule state (tests and debugging)."""

@@ -22,6 +22,7 @@ ORDER = [
     "metrics",
     "validation",
     "checkpoint",
+    "lora",  # adapters through peft, below the policy that trains them
     "policy",
     "export",
     "config",  # MasterConfig: assembles the sections the folders below define

@@ -1,0 +1,193 @@
+"""LoRA runs of the tiny Llama on the demo chats, held to a plain peft + transformers loop.
+
+The runtime's LoRA run (`runtime.lora`: peft's layers injected into the transformers model,
+packed rows) and a loop written the way a peft user writes one (`get_peft_model`, each
+sample alone through transformers' own causal path, AdamW and clipping by hand) train on the
+same samples, those `sft-runtime samples` reads back from the run's log, and must agree on
+every step's loss. Then: a kill mid-run resumes bit for bit, sharded and not; a checkpoint holds the adapters only and names
+its base by digest, and a resume on another base is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from sft_runtime.runtime.checkpoint.sharded import is_sharded
+from sft_runtime.runtime.config import load_config
+from sft_runtime.events import read_log
+from sft_runtime.runtime.debug.samples import batch_samples
+from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.launch.driver import run_training
+from sft_runtime.runtime.lora.adapters import init_adapters, is_adapter, peft_config
+from sft_runtime.runtime.lora.base import BASE_FILE, weights_digest
+from tests.support.fixtures import HF_STEPS, hf_overrides
+from tests.support.reliability import (
+    Reference,
+    committed,
+    compare,
+    load_weights,
+    weights_path,
+)
+from tests.support.small_run import small_config
+
+LORA = ("policy.lora.enabled=true", "policy.lora.dim=4", "policy.lora.alpha=8")
+ONE_WORKER = ("cluster.workers_per_node=1",)
+SHARDED = ("policy.parallel.fsdp=true",)
+KILL = "stepping:after_train@4"  # step 4 trained, never committed; checkpoints at 2, 4, 5
+
+
+def _overrides(folder: Path, *extra: str) -> tuple[str, ...]:
+    return (*hf_overrides(folder), *LORA, *extra)
+
+
+def _reference(run_dir: Path, demo_data: Path, folder: Path, *extra: str) -> Reference:
+    config = small_config(run_dir, demo_data, HF_STEPS, *_overrides(folder, *extra))
+    summary = run_training(config)
+    assert summary["reason"] == "completed" and summary["total_steps"] == HF_STEPS
+    return Reference(run_dir, HF_STEPS, committed(run_dir), load_weights(run_dir, HF_STEPS))
+
+
+@pytest.fixture(scope="module")
+def lora_dp1(ray_session, demo_data, tiny_llama, tmp_path_factory) -> Reference:
+    run_dir = tmp_path_factory.mktemp("lora-dp1") / "run"
+    return _reference(run_dir, demo_data, tiny_llama, *ONE_WORKER)
+
+
+@pytest.fixture(scope="module")
+def lora_fsdp(ray_session, demo_data, tiny_llama, tmp_path_factory) -> Reference:
+    run_dir = tmp_path_factory.mktemp("lora-fsdp") / "run"
+    return _reference(run_dir, demo_data, tiny_llama, *SHARDED)
+
+
+def _run_samples(run_dir: Path, config) -> list[list]:
+    """Every step's samples, all ranks', read by the run's own loaders from the start (as
+    the run read them) and checked against the sample digests its log recorded."""
+    from sft_runtime.runtime.config import loader_spec
+    from sft_runtime.runtime.data.factory import build_colocated_loader
+    from sft_runtime.runtime.data.tokenizer import build_tokenizer
+    from sft_runtime.runtime.metrics.step_metrics import sample_digest
+
+    (started, *_) = [r for r in read_log(run_dir) if r.type == "run_started"]
+    logged = committed(run_dir)
+    world = len(logged[1][1])
+    spec = loader_spec(config, world)
+    tokenizer = build_tokenizer(spec.tokenizer)
+    steps: list[list] = [[] for _ in range(HF_STEPS)]
+    for rank in range(world):
+        loader = build_colocated_loader(spec, rank, world, started.data["placement_hash"])
+        try:
+            loader.setup(None)
+            for step in range(1, HF_STEPS + 1):
+                envelope = loader.load()
+                assert sample_digest(envelope.source_ids) == logged[step][1][rank]
+                steps[step - 1] += batch_samples(loader.active_batch, tokenizer)
+                loader.commit()
+        finally:
+            loader.close()
+    return steps
+
+
+def _peft_loop_losses(run_dir: Path, folder: Path) -> list[float]:
+    """The run's steps redone by a plain peft loop over the samples the run's log vouches
+    for: every sample alone through the model, the NLL of its supervised tokens summed over
+    the global batch and divided by their count, clipped, AdamW."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(weights_path(run_dir, HF_STEPS).parents[1] / "config.yaml")
+    policy = config.policy
+    targets = json.loads((weights_path(run_dir, HF_STEPS) / BASE_FILE).read_text())
+    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model = get_peft_model(base, peft_config(policy.lora, targets["target_modules"]))
+    init_adapters(model.base_model.model, policy.lora, seed=config.sft.seed)  # the run's start
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = policy.optimizer
+    optimizer = torch.optim.AdamW(
+        params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+    )
+    model.train()
+    losses = []
+    for samples in _run_samples(run_dir, config):
+        total = sum(sum(s.supervised[1:]) for s in samples)
+        nll_sum = 0.0
+        for sample in samples:
+            ids = torch.tensor([sample.token_ids])
+            mask = torch.tensor(sample.supervised[1:], dtype=torch.float32)
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+            nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+            loss = (nll * mask).sum() / total
+            loss.backward()
+            nll_sum += float((nll * mask).sum().detach())
+        torch.nn.utils.clip_grad_norm_(params, policy.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(nll_sum / total)
+    return losses
+
+
+def _losses(ref: Reference) -> list[float]:
+    return [ref.committed[s][0] for s in sorted(ref.committed)]
+
+
+def test_one_worker_lora_trains_as_a_plain_peft_loop_within_1e6(lora_dp1, tiny_llama):
+    want = _peft_loop_losses(lora_dp1.run_dir, tiny_llama)
+    got = _losses(lora_dp1)
+    assert got[-1] < got[0]  # it learned
+    assert got == pytest.approx(want, rel=1e-6, abs=0)
+
+
+def test_two_sharded_workers_train_as_a_plain_peft_loop_within_1e5(lora_fsdp, tiny_llama):
+    assert is_sharded(weights_path(lora_fsdp.run_dir, HF_STEPS))
+    want = _peft_loop_losses(lora_fsdp.run_dir, tiny_llama)
+    assert _losses(lora_fsdp) == pytest.approx(want, rel=1e-5, abs=0)
+
+
+def test_a_lora_checkpoint_holds_the_adapters_only_and_names_its_base(lora_dp1, tiny_llama):
+    weights = weights_path(lora_dp1.run_dir, HF_STEPS)
+    assert lora_dp1.weights and all(is_adapter(name) for name in lora_dp1.weights)
+    assert all(t.dtype == torch.float32 for t in lora_dp1.weights.values())
+    record = json.loads((weights / BASE_FILE).read_text())
+    assert record["base_model"] == str(tiny_llama)
+    assert record["base_digest"] == weights_digest(tiny_llama)
+    assert "lm_head" in record["target_modules"]  # every linear layer, the untied head too
+    optimizer = torch.load(weights.parent / "optimizer" / "optimizer.pt", weights_only=True)
+    moments = optimizer["optimizer"]["state"]
+    adapter_count = len(lora_dp1.weights)
+    assert len(moments) == adapter_count  # AdamW state for the adapters and nothing else
+
+
+@pytest.mark.parametrize("extra", [ONE_WORKER, SHARDED], ids=["whole", "sharded"])
+def test_a_lora_run_killed_mid_run_resumes_bit_for_bit(
+    extra, lora_dp1, lora_fsdp, tiny_llama, make_runner
+):
+    ref = lora_dp1 if extra == ONE_WORKER else lora_fsdp
+    runner = make_runner("lora", steps=HF_STEPS, overrides=_overrides(tiny_llama, *extra))
+    crashed = runner.launch(fault=KILL)
+    assert crashed.rc == 1, crashed.tail()
+    finished = runner.finish()
+    assert [launch.rc for launch in finished] == [0], finished[-1].tail()
+    result = compare(runner.run_dir, ref)
+    assert result.mismatches == [] and result.steps_compared == HF_STEPS
+    assert result.reexecuted >= 1
+
+
+def test_a_resume_on_another_base_is_refused_naming_both(lora_dp1, demo_data, tiny_llama, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(lora_dp1.run_dir, run_dir)
+    other = tmp_path / "other-base"
+    shutil.copytree(tiny_llama, other)
+    from tests.support.hf_models import build_model
+
+    tokenizer_vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    build_model(other, family="llama", vocab_size=tokenizer_vocab, seed=1)  # other weights
+    config = small_config(run_dir, demo_data, HF_STEPS + 1, *_overrides(other, *ONE_WORKER))
+    with pytest.raises(UserInputError) as info:
+        run_training(config)
+    message = str(info.value)
+    assert str(other) in message and weights_digest(other) in message
+    assert weights_digest(tiny_llama) in message and str(tiny_llama) in message
