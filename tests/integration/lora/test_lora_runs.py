@@ -3,9 +3,10 @@
 The runtime's LoRA run (`runtime.lora`: peft's layers injected into the transformers model,
 packed rows) and a loop written the way a peft user writes one (`get_peft_model`, each
 sample alone through transformers' own causal path, AdamW and clipping by hand) train on the
-same samples, those `sft-runtime samples` reads back from the run's log, and must agree on
-every step's loss. Then: a kill mid-run resumes bit for bit, sharded and not; a checkpoint holds the adapters only and names
-its base by digest, and a resume on another base is refused.
+same samples, read again by the run's own loaders and checked against the digests in its
+log, and must agree on every step's loss. Then: a kill mid-run resumes bit for bit, sharded
+and not; a checkpoint holds the adapters only and names its base by digest; a resume on
+another base is refused.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from sft_runtime.events import read_log
 from sft_runtime.runtime.checkpoint.sharded import is_sharded
 from sft_runtime.runtime.config import load_config
-from sft_runtime.events import read_log
 from sft_runtime.runtime.debug.samples import batch_samples
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.launch.driver import run_training
