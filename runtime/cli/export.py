@@ -25,6 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="5GB",
         help="largest weights file (5GB, 500MB, 2GiB; default 5GB, as save_pretrained)",
     )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: write its base with the adapters merged (default: peft's adapter folder)",
+    )
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN_DIR/checkpoints")
     p.set_defaults(func=cmd_export)
 
@@ -39,6 +44,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         checkpoint_dir=args.checkpoint_dir,
         max_shard_size=args.max_shard_size,
+        merge=args.merge,
         progress=lambda line: print(line, file=sys.stderr),
     )
     print(args.out)

@@ -20,7 +20,6 @@ exit 2) before anything is written.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -29,18 +28,24 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import save_file
 
 from sft_runtime.events.log import fsync_dir
-from sft_runtime.runtime.checkpoint.policy_files import WEIGHTS_FILE, WEIGHTS_INDEX, shard_names
 from sft_runtime.runtime.checkpoint.store import CheckpointDir, fsync_tree
 from sft_runtime.runtime.checkpoint.weight_reader import WeightReader
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.export.lora_export import adapter_writer, merged_writer
+from sft_runtime.runtime.export.shards import (
+    DTYPES,
+    cast,
+    copy_tokenizer,
+    plan_shards,
+    write_config,
+    write_shards,
+)
+from sft_runtime.runtime.lora.base import read_base_record
 from sft_runtime.runtime.policy.hf_model import own_names
-from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.liveness import pid_alive
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # as `save_pretrained`
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -68,10 +73,13 @@ def export_checkpoint(
     dtype: str | None = None,
     checkpoint_dir: Path | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    merge: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Path:
     """Write checkpoint ``step`` (default: the newest) of ``run_dir`` to ``out``, in
-    safetensors files of at most ``max_shard_size`` (``5GB``, ``500MB``, or bytes)."""
+    safetensors files of at most ``max_shard_size`` (``5GB``, ``500MB``, or bytes). A LoRA
+    checkpoint becomes peft's adapter folder, or with ``merge`` its base with the adapters
+    merged in (`runtime.export.lora_export`)."""
     store = CheckpointDir(checkpoint_dir or Path(run_dir) / "checkpoints")
     where = _checkpoint(store, step)
     out = Path(out)
@@ -80,82 +88,68 @@ def export_checkpoint(
     store.info(int(where.name.removeprefix("step_")))  # refuses a missing/damaged info file
     _require_hf_run(where)
     weights = where / "policy" / "weights"
+    tokenizer = where / "policy" / "tokenizer"
+    limit = parse_size(max_shard_size)
+    record = read_base_record(weights)
+    if record is not None:  # adapters: peft's folder, or merged into their base
+        write = (merged_writer if merge else adapter_writer)(
+            weights, tokenizer, record, dtype, limit, progress
+        )
+    elif merge:
+        raise UserInputError(
+            f"--merge: {where} is a full fine-tune's checkpoint; it has no adapters to merge "
+            "(export it without --merge)"
+        )
+    else:
+        write = _model_writer(weights, tokenizer, dtype, limit, progress)
+    _publish(out, write)
+    progress(f"exported {where.name} to {out}")
+    return out
+
+
+def _model_writer(
+    weights: Path,
+    tokenizer: Path,
+    dtype: str | None,
+    limit: int,
+    progress: Callable[[str], None],
+) -> Callable[[Path], None]:
+    """The whole model's folder from a full fine-tune's checkpoint (checked here, written
+    when called)."""
     if not (weights / "config.json").is_file():
         raise UserInputError(f"{weights}: no config.json; the checkpoint is incomplete")
     reader = WeightReader(weights)
     names = _check_names(weights, set(reader.specs))
     target = DTYPES[dtype] if dtype else None
-    shards = _plan_shards(reader, names, target, parse_size(max_shard_size))
+    shards = plan_shards(reader, names, target, limit)
+
+    def write(folder: Path) -> None:
+        write_shards(lambda part: cast(reader.read(part), target), shards, folder, progress)
+        write_config(weights / "config.json", folder / "config.json", dtype)
+        if (weights / "generation_config.json").is_file():
+            shutil.copyfile(weights / "generation_config.json", folder / "generation_config.json")
+        copy_tokenizer(tokenizer, folder)
+
+    return write
+
+
+def _publish(out: Path, write: Callable[[Path], None]) -> None:
+    """``write`` into a temporary folder beside ``out``, fsynced, then renamed to ``out``:
+    a killed export leaves no folder under the final name (and the next removes its tmp)."""
     _remove_stale(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        total = _write_shards(reader, shards, target, tmp, progress)
-        _write_config(weights / "config.json", tmp / "config.json", dtype)
-        if (weights / "generation_config.json").is_file():
-            shutil.copyfile(weights / "generation_config.json", tmp / "generation_config.json")
-        tokenizer = where / "policy" / "tokenizer"
-        if tokenizer.is_dir():
-            for file in sorted(tokenizer.iterdir()):
-                shutil.copyfile(file, tmp / file.name)
+        write(tmp)
         fsync_tree(tmp)
         if out.exists():
-            out.rmdir()  # empty, checked above
+            out.rmdir()  # empty, checked before
         os.rename(tmp, out)
         fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    progress(f"{total / 1e9:.2f} GB in {len(shards)} file(s)")
-    progress(f"exported {where.name} to {out}")
-    return out
-
-
-def _plan_shards(
-    reader: WeightReader, names: list[str], target: torch.dtype | None, limit: int
-) -> list[list[str]]:
-    """Tensor names in the model's order, cut into files of at most ``limit`` bytes as
-    written (a larger tensor is a file of its own)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        nbytes = reader.nbytes(name, target)
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
-def _write_shards(
-    reader: WeightReader,
-    shards: list[list[str]],
-    target: torch.dtype | None,
-    folder: Path,
-    progress: Callable[[str], None],
-) -> int:
-    """Each shard read, cast and written in turn (only one in memory); the index when there
-    are several. Returns the bytes written."""
-    files = [WEIGHTS_FILE] if len(shards) == 1 else shard_names(len(shards))
-    weight_map: dict[str, str] = {}
-    total = 0
-    for k, (file, names) in enumerate(zip(files, shards, strict=True), start=1):
-        tensors = reader.read(names)
-        if target is not None:
-            tensors = {n: t.to(target) if t.is_floating_point() else t for n, t in tensors.items()}
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        progress(f"writing {file} ({k}/{len(shards)}, {len(names)} tensors, {size / 1e6:.1f} MB)")
-        save_file(tensors, str(folder / file), metadata={"format": "pt"})
-        del tensors
-        weight_map.update(dict.fromkeys(names, file))
-        total += size
-        fault_point("export:after_shard", step=k)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return total
 
 
 def _remove_stale(out: Path) -> None:
@@ -210,11 +204,3 @@ def _check_names(weights: Path, names: set[str]) -> list[str]:
             f"unexpected {sorted(unexpected)[:5]})"
         )
     return [name for name in own_names(model) if name in names]
-
-
-def _write_config(source: Path, dest: Path, dtype: str | None) -> None:
-    config = json.loads(source.read_text())
-    if dtype is not None:
-        config["dtype"] = dtype
-        config.pop("torch_dtype", None)
-    dest.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -20,6 +20,7 @@ import torch
 
 from sft_runtime.events import read_log
 from sft_runtime.runtime.checkpoint.sharded import is_sharded
+from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.config import load_config
 from sft_runtime.runtime.debug.samples import batch_samples
 from sft_runtime.runtime.errors import UserInputError
@@ -192,3 +193,87 @@ def test_a_resume_on_another_base_is_refused_naming_both(lora_dp1, demo_data, ti
     message = str(info.value)
     assert str(other) in message and weights_digest(other) in message
     assert weights_digest(tiny_llama) in message and str(tiny_llama) in message
+
+
+def _runtime_logits(run_dir: Path, folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The runtime's forward pass with the run's final adapters: the model built as a worker
+    builds it, the checkpoint's adapters loaded."""
+    from sft_runtime.runtime.checkpoint.weight_reader import read_all
+    from sft_runtime.runtime.lora.adapters import add_adapters
+    from sft_runtime.runtime.policy.hf_model import hf_logits, load_hf_model
+
+    config = load_config(weights_path(run_dir, HF_STEPS).parents[1] / "config.yaml")
+    model = load_hf_model(str(folder))
+    add_adapters(model, config.policy.lora, seed=config.sft.seed)
+    adapters = read_all(weights_path(run_dir, HF_STEPS))
+    assert not any(
+        torch.equal(model.state_dict()[k], v) for k, v in adapters.items() if "lora_B" in k
+    )
+    model.load_state_dict(adapters, strict=False)
+    with torch.no_grad():
+        n = ids.shape[1]
+        return hf_logits(model.eval(), ids, torch.arange(n).unsqueeze(0), torch.zeros_like(ids))
+
+
+def _ids(folder: Path) -> torch.Tensor:
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    return torch.randint(3, vocab, (1, 24), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("run", ["lora_dp1", "lora_fsdp"])
+def test_the_adapter_export_is_a_peft_folder_with_the_runtimes_logits_bit_for_bit(
+    run, request, tiny_llama, tmp_path
+):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref = request.getfixturevalue(run)
+    out = tmp_path / "adapter"
+    assert cli_main(["export", str(ref.run_dir), str(out)]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        tiny_llama
+    )
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(out)).eval()
+    ids = _ids(tiny_llama)
+    with torch.no_grad():
+        theirs = model(input_ids=ids).logits
+    assert torch.equal(_runtime_logits(ref.run_dir, tiny_llama, ids), theirs)
+    AutoTokenizer.from_pretrained(out)  # the tokenizer travels with the adapter
+
+
+def test_the_merged_export_loads_without_peft_and_gives_the_runtimes_logits(
+    lora_fsdp, tiny_llama, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "merged"
+    assert cli_main(["export", str(lora_fsdp.run_dir), str(out), "--merge"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert not any("lora" in name for name in model.state_dict())
+    ids = _ids(tiny_llama)
+    with torch.no_grad():
+        theirs = model(input_ids=ids).logits
+    ours = _runtime_logits(lora_fsdp.run_dir, tiny_llama, ids)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    with torch.no_grad():
+        assert not torch.allclose(base(input_ids=ids).logits, theirs, atol=1e-5)  # it moved
+
+
+def test_merge_refuses_a_full_fine_tune_and_a_changed_base(
+    lora_dp1, hf_reference, tiny_llama, tmp_path, capsys
+):
+    assert cli_main(["export", str(hf_reference.run_dir), str(tmp_path / "a"), "--merge"]) == 2
+    assert "no adapters to merge" in capsys.readouterr().err
+    run_dir = tmp_path / "run"
+    shutil.copytree(lora_dp1.run_dir, run_dir)
+    record_file = weights_path(run_dir, HF_STEPS) / BASE_FILE
+    record = json.loads(record_file.read_text())
+    record["base_digest"] = "sha256:" + "0" * 64
+    record_file.write_text(json.dumps(record))
+    assert cli_main(["export", str(run_dir), str(tmp_path / "b"), "--merge"]) == 2
+    err = capsys.readouterr().err
+    assert weights_digest(tiny_llama) in err and "0" * 64 in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
