@@ -277,3 +277,35 @@ def test_merge_refuses_a_full_fine_tune_and_a_changed_base(
     err = capsys.readouterr().err
     assert weights_digest(tiny_llama) in err and "0" * 64 in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_debug_commands_validation_and_traces_work_on_a_lora_run(
+    ray_session, val_data, tiny_llama, tmp_path, capsys
+):
+    from sft_runtime.traces.spans import STEP_SPAN, VALIDATION_SPAN
+    from tests.support.fixtures import val_overrides
+    from tests.support.reliability import validations
+    from sft_runtime.traces.tree import find_job_trace, find_step_trace
+
+    run_dir = tmp_path / "run"
+    traced = ("telemetry.enabled=true", "telemetry.exporters=[jaeger_file]")
+    extra = (*val_overrides(val_data), *traced, *SHARDED)
+    config = small_config(run_dir, val_data, HF_STEPS, *_overrides(tiny_llama, *extra))
+    assert run_training(config)["reason"] == "completed"
+    passes = validations(run_dir)
+    assert sorted(passes) == [0, 2, 4, 5]
+    assert passes[5][0] < passes[0][0]  # the adapters lowered the validation loss
+    assert cli_main(["samples", str(run_dir), "--step", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
+    scratch = tmp_path / "scratch"
+    args = ["reproduce", str(run_dir), "--step", "3", "--to", "5", "--scratch", str(scratch)]
+    assert cli_main(args) == 0
+    assert "identical: steps 3..5 reproduce bit for bit" in capsys.readouterr().out
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    assert cli_main(["diff", str(run_dir), str(copy)]) == 0
+    job, _ = find_job_trace(run_dir)
+    assert [s["operationName"] for s in job["spans"]].count(VALIDATION_SPAN) == 4
+    step, trace, executions = find_step_trace(run_dir, 3)
+    assert step["operationName"] == STEP_SPAN and executions == 1
+    assert len({s["processID"] for s in trace["spans"]}) >= 3  # the controller and 2 workers
