@@ -283,9 +283,9 @@ def test_debug_commands_validation_and_traces_work_on_a_lora_run(
     ray_session, val_data, tiny_llama, tmp_path, capsys
 ):
     from sft_runtime.traces.spans import STEP_SPAN, VALIDATION_SPAN
+    from sft_runtime.traces.tree import find_job_trace, find_step_trace
     from tests.support.fixtures import val_overrides
     from tests.support.reliability import validations
-    from sft_runtime.traces.tree import find_job_trace, find_step_trace
 
     run_dir = tmp_path / "run"
     traced = ("telemetry.enabled=true", "telemetry.exporters=[jaeger_file]")
