@@ -130,6 +130,8 @@ def test_examples_demo_yaml_matches_the_demo_config():
     assert load_config(ROOT / "examples" / "hf.yaml").policy.model.kind == "hf"
     sharded = load_config(ROOT / "examples" / "fsdp.yaml")
     assert sharded.policy.parallel.fsdp and sharded.cluster.world_size == 8
+    lora = load_config(ROOT / "examples" / "lora.yaml").policy  # NeMo RL's block as is
+    assert lora.lora.enabled and lora.lora.dropout_position == "post" and lora.parallel.fsdp
 
 
 @pytest.mark.parametrize(
