@@ -142,6 +142,17 @@ def adapter_parameters(model: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:
     return ((n, p) for n, p in model.named_parameters() if is_adapter(n))
 
 
+def check_adapters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Saved adapters are exactly the model's (another ``policy.lora`` adapts other layers)."""
+    expected = {name for name, _ in adapter_parameters(model)}
+    if set(tensors) != expected:
+        raise UserInputError(
+            "checkpoint adapters do not match the model's: missing "
+            f"{sorted(expected - set(tensors))[:5]}, unexpected "
+            f"{sorted(set(tensors) - expected)[:5]} (was policy.lora changed?)"
+        )
+
+
 @torch.no_grad()
 def init_adapters(model: nn.Module, cfg: LoraConfig, *, seed: int) -> None:
     """A from ``lora_A_init``, B zero (see the module docstring), whole or sharded."""

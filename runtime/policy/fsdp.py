@@ -146,10 +146,13 @@ def load_full_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
     set_model_state_dict(model, tensors, options=_options(full_state_dict=True, strict=False))
 
 
-def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def sharded_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, *, trainable_only: bool = False
+) -> dict[str, Any]:
     """This rank's shards: ``{"model": ...}`` and, with an optimizer, ``"optimizer"``. A
     parameter shared under two names (an LM head tied to the embedding) is kept under its
-    first name only, as the whole-weights checkpoint keeps it: written once, not twice."""
+    first name only, as the whole-weights checkpoint keeps it: written once, not twice.
+    ``trainable_only``: the parameters that train (a LoRA run's adapters), not a frozen base."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -159,6 +162,9 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
         dict(model.named_parameters())
     )
     model_state = {k: v for k, v in get_model_state_dict(model).items() if k not in shared}
+    if trainable_only:
+        trains = {n for n, p in model.named_parameters() if p.requires_grad}
+        model_state = {k: v for k, v in model_state.items() if k in trains}
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
@@ -179,6 +185,41 @@ def load_sharded_state(
     set_model_state_dict(model, state["model"], options=_options(strict=False))
     if optimizer is not None and "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def save_shards(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    weights_path: str,
+    optimizer_path: str | None,
+    trainable_only: bool,
+) -> list[str]:
+    """This rank's shards of the weights (those that train, ``trainable_only``) and of the
+    optimizer, as torch.distributed.checkpoint files (a collective)."""
+    from sft_runtime.runtime.checkpoint import sharded
+
+    state = sharded_state(model, optimizer, trainable_only=trainable_only)
+    files = sharded.save_shards(weights_path, {"model": state["model"]})
+    if optimizer_path is not None:
+        files += sharded.save_shards(optimizer_path, {"optimizer": state["optimizer"]})
+    return files
+
+
+def load_shards(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    weights_path: str,
+    optimizer_path: str | None,
+    trainable_only: bool,
+) -> None:
+    """`save_shards`' files read back into this rank's shards (a collective)."""
+    from sft_runtime.runtime.checkpoint import sharded
+
+    state = sharded_state(model, optimizer, trainable_only=trainable_only)
+    sharded.load_shards(weights_path, {"model": state["model"]})
+    if optimizer_path is not None:
+        sharded.load_shards(optimizer_path, {"optimizer": state["optimizer"]})
+    load_sharded_state(model, optimizer, state)
 
 
 def local_storage(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

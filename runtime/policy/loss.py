@@ -8,7 +8,7 @@ single-process loss on the global batch, whatever the split into ranks and micro
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sft_runtime.runtime.data.batch import SFTBatch
 
@@ -53,3 +53,19 @@ class NLLLossFn:
             "valid_tokens": mask.sum(),
             "loss": loss.detach(),
         }
+
+
+def read_metrics(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The micro-batches' metrics as floats, every tensor value read in one host sync."""
+    import torch
+
+    tensors = [
+        v for metrics in micro_batches for v in metrics.values() if isinstance(v, torch.Tensor)
+    ]
+    if not tensors:
+        return micro_batches
+    values = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist())
+    return [
+        {k: next(values) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        for metrics in micro_batches
+    ]

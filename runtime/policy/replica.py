@@ -30,19 +30,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sft_runtime.runtime.checkpoint import sharded
 from sft_runtime.runtime.data.batch import SFTBatch
-from sft_runtime.runtime.errors import PeerStepError, UserInputError
+from sft_runtime.runtime.errors import PeerStepError
 from sft_runtime.runtime.lora.adapters import (
     adapter_parameters,
     add_adapters,
+    check_adapters,
     init_adapters,
-    is_adapter,
 )
 from sft_runtime.runtime.policy import fsdp
 from sft_runtime.runtime.policy.config import PolicyConfig
 from sft_runtime.runtime.policy.hf_model import hf_state_dict, load_hf_state_dict, own_names
-from sft_runtime.runtime.policy.loss import NLLLossFn
+from sft_runtime.runtime.policy.loss import NLLLossFn, read_metrics
 from sft_runtime.runtime.policy.model import build_model, forward_logits
 from sft_runtime.runtime.policy.schedule import lr_at
 from sft_runtime.traces.context import TRACER
@@ -114,7 +113,7 @@ class Replica:
 
             assert self.policy.model.hf_path is not None
             self.start_read = fill_from_folder(self.model, self.policy.model.hf_path, self.device)
-            if self.lora_targets is not None:
+            if self.lora:
                 init_adapters(self.model, self.policy.lora, seed=self.seed)
         self.sharded = True
         self._make_optimizer()
@@ -195,7 +194,7 @@ class Replica:
             self.agree(loss_error is not None, "train_step")
         if loss_error is not None:
             raise loss_error
-        step.micro_batches = _read_metrics(step.micro_batches)  # the step's one host sync
+        step.micro_batches = read_metrics(step.micro_batches)  # the step's one host sync
         for metrics in step.micro_batches:
             step.loss_sum += metrics["nll_sum"]
         step.forward_backward_s = time.perf_counter() - t_all
@@ -280,7 +279,7 @@ class Replica:
         """A copy of parameters and buffers as contiguous CPU tensors (safetensors-ready),
         under the model's own names; a tied weight once. With LoRA, the adapters only (what
         trains and what a checkpoint holds), unless ``include_frozen``."""
-        adapters_only = self.lora_targets is not None and not include_frozen
+        adapters_only = self.lora and not include_frozen
         if self.sharded:  # a collective: every rank calls it
             state = fsdp.full_state_dict(self.model, trainable_only=adapters_only)
             state = {k: state[k] for k in own_names(self.model) if k in state}
@@ -291,17 +290,11 @@ class Replica:
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.lora_targets is not None:
-            expected = {name for name, _ in adapter_parameters(self.model)}
-            if set(tensors) != expected:
-                raise UserInputError(
-                    "checkpoint adapters do not match the model's: missing "
-                    f"{sorted(expected - set(tensors))[:5]}, unexpected "
-                    f"{sorted(set(tensors) - expected)[:5]} (was policy.lora changed?)"
-                )
+        if self.lora:
+            check_adapters(self.model, tensors)
         if self.sharded:
             fsdp.load_full_state_dict(self.model, tensors)
-        elif self.lora_targets is not None:
+        elif self.lora:
             self.model.load_state_dict(tensors, strict=False)
         elif self.is_hf:
             load_hf_state_dict(self.model, tensors)
@@ -338,25 +331,17 @@ class Replica:
     def save_shards(self, weights_path: str, optimizer_path: str | None) -> list[str]:
         """This rank's shards of weights and optimizer (a collective; see
         `runtime.checkpoint.sharded`)."""
-        state = self._sharded_state(optimizer_path)
-        files = sharded.save_shards(weights_path, {"model": state["model"]})
-        if optimizer_path is not None:
-            files += sharded.save_shards(optimizer_path, {"optimizer": state["optimizer"]})
-        return files
+        optimizer = self.optimizer if optimizer_path else None
+        return fsdp.save_shards(self.model, optimizer, weights_path, optimizer_path, self.lora)
 
     def load_shards(self, weights_path: str, optimizer_path: str | None) -> None:
-        state = self._sharded_state(optimizer_path)
-        sharded.load_shards(weights_path, {"model": state["model"]})
-        if optimizer_path is not None:
-            sharded.load_shards(optimizer_path, {"optimizer": state["optimizer"]})
-        fsdp.load_sharded_state(self.model, self.optimizer if optimizer_path else None, state)
+        optimizer = self.optimizer if optimizer_path else None
+        fsdp.load_shards(self.model, optimizer, weights_path, optimizer_path, self.lora)
 
-    def _sharded_state(self, optimizer_path: str | None) -> dict[str, Any]:
-        """This rank's shards to save or fill: with LoRA the frozen base is not among them."""
-        state = fsdp.sharded_state(self.model, self.optimizer if optimizer_path else None)
-        if self.lora_targets is not None:
-            state["model"] = {k: v for k, v in state["model"].items() if is_adapter(k)}
-        return state
+    @property
+    def lora(self) -> bool:
+        """A LoRA run: only the adapters train and are saved (`runtime.lora`)."""
+        return self.lora_targets is not None
 
     def local_storage(self) -> dict[str, int]:
         """Elements of parameters, gradients and optimizer state this rank holds, and of the
@@ -416,17 +401,3 @@ class Replica:
         if self.policy.precision == "bfloat16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return nullcontext()
-
-
-def _read_metrics(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The micro-batches' metrics as floats, every tensor value read in one host sync."""
-    tensors = [
-        v for metrics in micro_batches for v in metrics.values() if isinstance(v, torch.Tensor)
-    ]
-    if not tensors:
-        return micro_batches
-    values = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist())
-    return [
-        {k: next(values) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-        for metrics in micro_batches
-    ]
