@@ -93,7 +93,7 @@ class WeightReader:
                 with safe_open(str(file), framework="pt") as f:
                     for name in f.keys():
                         part = f.get_slice(name)
-                        dtype = _SAFE_DTYPES[part.get_dtype()]
+                        dtype = SAFETENSORS_DTYPES[part.get_dtype()]
                         self.specs[name] = (dtype, tuple(part.get_shape()))
                         self._files[name] = file
             except UserInputError:
@@ -136,7 +136,7 @@ class WeightReader:
         return {name: state[SHARDED_PREFIX + name] for name in names}
 
 
-_SAFE_DTYPES = {
+SAFETENSORS_DTYPES = {  # a safetensors header's dtype names
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sft_runtime.runtime.checkpoint.weight_reader import SAFETENSORS_DTYPES
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.lora.adapters import base_name, is_adapter
 from sft_runtime.runtime.policy.hf_files import SAFE_INDEX, SAFE_WEIGHTS, read_safetensors_header
@@ -192,7 +193,7 @@ class _RowReader:
 
     def read(self, name: str, where: tuple[slice, ...]) -> torch.Tensor:
         entry = self.entries[name]
-        dtype = _TORCH_DTYPES.get(entry.dtype)
+        dtype = SAFETENSORS_DTYPES.get(entry.dtype)
         whole_rows = all(s == slice(0, n) for s, n in zip(where[1:], entry.shape[1:], strict=True))
         if dtype is None or not where or not whole_rows:
             from safetensors import safe_open
@@ -209,20 +210,6 @@ class _RowReader:
 
     def close(self) -> None:
         self._fh.close()
-
-
-_TORCH_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 @torch.no_grad()
