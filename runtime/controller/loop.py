@@ -62,8 +62,6 @@ from sft_runtime.traces.spans import (
 )
 from sft_runtime.traces.step_trace import StepTrace
 
-S = ControllerState
-P = StepPhase
 SEED_STEPS = (
     "_setup_loaders",
     "_load_envelopes",
@@ -145,7 +143,7 @@ class SFTController(ControllerTeardown):
                 with traced(SETUP_SPANS["loaders"]):
                     self._setup_loaders()
                 self._validate_if_due()  # before the first step (sft.val_at_start)
-                while self.model.state is S.loading:
+                while self.model.state is ControllerState.loading:
                     self._check_driver()
                     self.model.stop_requested = self._stop.is_set()
                     if self.model.halt():  # to saving first when steps are unsaved
@@ -229,47 +227,49 @@ class SFTController(ControllerTeardown):
     def _run_one_step(self) -> None:
         step = self.model.save_state.total_steps + 1
         # its start was sent with the last step, or it starts now
-        st = self.calls.ahead_trace(step)
-        if st is None:
-            st = StepTrace(step, attempt=self._attempt, job=self._job)
-        self._trace = st
-        now = StepInFlight()  # how far the step got, what an abort must undo
+        trace = self.calls.ahead_trace(step)
+        if trace is None:
+            trace = StepTrace(step, attempt=self._attempt, job=self._job)
+        self._trace = trace
+        in_flight = StepInFlight()  # how far the step got, what an abort must undo
         try:
-            with st.current():
-                self._step_in(st, step, now)
+            with trace.current():
+                self._step_in(trace, step, in_flight)
         except BaseException as exc:
-            st.error = exc
+            trace.error = exc
             raise
         finally:
-            st.end(attributes=self._step_attributes)
+            trace.end(attributes=self._step_attributes)
             self._trace = None
 
-    def _step_in(self, st: StepTrace, step: int, now: StepInFlight) -> None:
+    def _step_in(self, trace: StepTrace, step: int, in_flight: StepInFlight) -> None:
         """The step's work under its trace: train, metrics, commit, record (or abort)."""
         self._step_attributes = None
         try:
-            t0 = st.began()  # a start sent ahead may have begun earlier, in the workers
+            t0 = trace.began()  # a start sent ahead may have begun earlier, in the workers
             with traced(POLICY_TRAINING_SPAN, start_time=t0):
                 envelopes, results = self._run_train_step(step)
-            t_done = st.seconds_since_start()
-            now.trained()
-            self._fault_after(P.train, step)
+            t_done = trace.seconds_since_start()
+            in_flight.trained()
+            self._fault_after(StepPhase.train, step)
             load_time = max(e.load_seconds for e in envelopes)
             metrics = step_metrics(
                 envelopes,
                 results,
                 load_time=load_time,
                 policy_time=t_done - load_time,
-                total_time=st.seconds_since_start(),
+                total_time=trace.seconds_since_start(),
             )
-            now.enter(P.metrics)  # the config refused an unknown checkpoint metric already
-            now.enter(P.commit)
+            in_flight.enter(
+                StepPhase.metrics
+            )  # the config refused an unknown checkpoint metric already
+            in_flight.enter(StepPhase.commit)
             self._check_driver()  # a killed run commits no step after its driver died
             self.calls.recorded()  # the loader commit goes with the next start
-            now.committed()
-            self._fault_after(P.commit, step)
-            now.enter(P.record)
-            trace_id, span_id = st.ids
+            in_flight.committed()
+            self._fault_after(StepPhase.commit, step)
+            in_flight.enter(StepPhase.record)
+            trace_id, span_id = trace.ids
             payload = fold.step_committed_event(
                 step,
                 metrics,
@@ -278,11 +278,11 @@ class SFTController(ControllerTeardown):
                 trace_id=trace_id,
                 span_id=span_id,
             )
-            with traced(EVENT_APPEND_SPAN, attributes={PHASE_ATTR: P.record.value}):
+            with traced(EVENT_APPEND_SPAN, attributes={PHASE_ATTR: StepPhase.record.value}):
                 self.model.commit(event=payload)
-            self._fault_after(P.record, step)
+            self._fault_after(StepPhase.record, step)
         except BaseException as exc:
-            self._abort_step(exc, now)
+            self._abort_step(exc, in_flight)
             raise
         self._last_metrics = metrics
         self._losses.append(metrics["loss"])
@@ -290,7 +290,7 @@ class SFTController(ControllerTeardown):
             self._sample_counts[key] += metrics[key]
         self.metrics.log(step, metrics)
         self.instruments.record(metrics, {"attempt": self._attempt})
-        if st.recording:
+        if trace.recording:
             consumed = self.model.save_state.consumed_samples
             self._step_attributes = step_attributes(metrics, consumed)
 
@@ -319,7 +319,7 @@ class SFTController(ControllerTeardown):
             self._trace.began(min(began))  # a start sent ahead began when a worker took it
         envelopes = [outs[rank]["envelope"] for rank in self.group.owner_ranks]
         check_envelopes(envelopes, self.plan.logical_world_size)
-        self._fault_after(P.loading, step)
+        self._fault_after(StepPhase.loading, step)
         self.model.batch_loaded()
         return envelopes
 
@@ -358,7 +358,7 @@ class SFTController(ControllerTeardown):
         """Whether a checkpoint is written now: the machine's save rules moved it to
         ``saving`` (a save period, the end of the budget, a stop request, or the deadline,
         whose verdict ``save_by_timeout`` is: the guards read the same latched one)."""
-        saving = self.model.state is S.saving
+        saving = self.model.state is ControllerState.saving
         if save_by_timeout and self.model.rules.checkpointing and not saving:
             unsaved = self.model.save_state.total_steps > self.model.last_saved_step
             if unsaved:

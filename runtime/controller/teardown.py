@@ -23,8 +23,6 @@ from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.states import ControllerState, StepInFlight
 from sft_runtime.traces.context import inject_carrier, span_ids
 
-S = ControllerState
-
 
 class ControllerTeardown:
     """The end of an attempt (see the module docstring); uses the controller's state."""
@@ -45,11 +43,11 @@ class ControllerTeardown:
     _attempt: int | None
     _owner_call: Any  # the controller's method: a group call joined to the current trace
 
-    def _abort_step(self, exc: BaseException, now: StepInFlight) -> None:
+    def _abort_step(self, exc: BaseException, in_flight: StepInFlight) -> None:
         """Undo what the step opened, record `step_aborted`; cleanup failures only warn."""
-        phase = now.failed_phase(exc)
+        phase = in_flight.failed_phase(exc)
         quietly("wait for the step's calls", self.calls.settle)
-        policy_open, batch_active = now.policy_open, now.batch_active
+        policy_open, batch_active = in_flight.policy_open, in_flight.batch_active
         if self.calls.has_ahead:  # a start sent ahead is undone with this step
             policy_open = batch_active = True
             quietly("discard the step started ahead", self.calls.drop_ahead)
@@ -87,11 +85,11 @@ class ControllerTeardown:
         if self.metrics is not None:
             quietly("close the metrics logger", self.metrics.close)
         if self.model is not None and self.log is not None:
-            if self.model.state in (S.setup, S.loading):
+            if self.model.state in (ControllerState.setup, ControllerState.loading):
                 quietly("close the machine", self.model.close)
-            elif self.model.state is S.saving:
+            elif self.model.state is ControllerState.saving:
                 quietly("close the machine", lambda: self.model.fail(error=error))
-            if self.model.state is S.closing:
+            if self.model.state is ControllerState.closing:
                 step = self.model.save_state.total_steps
                 fault_point("closing:before_stop", step=step, attempt=self._attempt)
                 msg = None if error is None else f"{type(error).__name__}: {error}"[:2000]

@@ -56,8 +56,6 @@ from sft_runtime.traces.spans import (
     traced,
 )
 
-P = StepPhase
-
 
 class PolicyWorkerBase(WorkerStateMixin):
     """The worker's logic; `PolicyWorker` is its Ray actor class."""
@@ -214,11 +212,13 @@ class PolicyWorkerBase(WorkerStateMixin):
         self._loader = loader
 
     def load_next_sft_batch(self, *, _otel_carrier: dict | None = None) -> StepEnvelope:
-        with traced(LOAD_SPAN, carrier=_otel_carrier, attributes=self._attrs(P.loading)):
+        with traced(LOAD_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.loading)):
             return self._require_loader().load()
 
     def commit_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
-        with traced(LOADER_COMMIT_SPAN, carrier=_otel_carrier, attributes=self._attrs(P.commit)):
+        with traced(
+            LOADER_COMMIT_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.commit)
+        ):
             self._require_loader().commit()
             self._batch_step = None
 
@@ -259,7 +259,9 @@ class PolicyWorkerBase(WorkerStateMixin):
         self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
     ) -> dict[str, int]:
         """Open a step on the active batch; all-reduce the supervised-token count."""
-        with traced(BEGIN_STEP_SPAN, carrier=_otel_carrier, attributes=self._attrs(P.train)):
+        with traced(
+            BEGIN_STEP_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.train)
+        ):
             return self.replica.begin(loss_fn, lambda: self._require_loader().active_batch)
 
     def train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
@@ -270,13 +272,17 @@ class PolicyWorkerBase(WorkerStateMixin):
             batch = self._require_loader().active_batch
         except Exception as exc:  # noqa: BLE001 - raised by `train` after the ranks agree
             error, batch = exc, None
-        with traced(FORWARD_BACKWARD_SPAN, carrier=_otel_carrier, attributes=self._attrs(P.train)):
+        with traced(
+            FORWARD_BACKWARD_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.train)
+        ):
             return self.replica.train(batch, error)
 
     def finish_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """All-reduce gradients, clip, step AdamW and the LR schedule; the step's metrics."""
         fault_point("worker:finish", step=self.replica.steps_done + 1, rank=self.rank)
-        with traced(FINISH_STEP_SPAN, carrier=_otel_carrier, attributes=self._attrs(P.train)):
+        with traced(
+            FINISH_STEP_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.train)
+        ):
             self._writes.wait_copied()  # a checkpoint being written still reads the weights
             return self.replica.finish()
 
@@ -344,7 +350,7 @@ class PolicyWorkerBase(WorkerStateMixin):
 
         t0 = time.perf_counter()
         try:
-            with traced(BEGIN_STEP_SPAN, carrier=carrier, attributes=self._attrs(P.train)):
+            with traced(BEGIN_STEP_SPAN, carrier=carrier, attributes=self._attrs(StepPhase.train)):
                 self.replica.begin(loss_fn, active_batch)
         except Exception as exc:
             phase = StepPhase.loading if before_begin else StepPhase.train

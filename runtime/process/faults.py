@@ -39,7 +39,7 @@ import os
 import signal
 import time
 
-from sft_runtime.states.step import StepPhase as P
+from sft_runtime.states.step import StepPhase
 
 ENV = "SFT_RUNTIME_FAULT"
 HOLD_ENV = ENV + "_HOLD"
@@ -47,7 +47,10 @@ _held = False
 POINTS = frozenset(
     {
         "setup:after_loaders",
-        *(p.fault_point for p in (P.loading, P.train, P.commit, P.record)),
+        *(
+            p.fault_point
+            for p in (StepPhase.loading, StepPhase.train, StepPhase.commit, StepPhase.record)
+        ),
         "validating:after_pass",
         "saving:after_weights",
         "saving:before_rename",
