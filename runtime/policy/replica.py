@@ -57,6 +57,7 @@ class _OpenStep:
     global_valid_tokens: int
     trained: bool = False
     rng: Any = None  # torch RNG states when the step began (an abort restores them)
+    batch: SFTBatch | None = None  # what `begin` counted, and `train` trains on
     micro_batches: list[dict[str, float]] = field(default_factory=list)
     forward_backward_s: float = 0.0
     loss_sum: float = 0.0
@@ -147,11 +148,16 @@ class Replica:
         if count[1].item() > 0:
             raise PeerStepError("begin_train_step failed on another data-parallel rank")
         self.model.zero_grad(set_to_none=True)
-        self._open = _OpenStep(loss_fn, local, int(count[0].item()), rng=self._rng_state())
+        self._open = _OpenStep(
+            loss_fn, local, int(count[0].item()), rng=self._rng_state(), batch=batch
+        )
         return {"local_valid_tokens": local, "global_valid_tokens": self._open.global_valid_tokens}
 
-    def train(self, batch: SFTBatch, error: Exception | None = None) -> dict[str, Any]:
-        """Forward/backward over the batch in micro-batches, accumulating gradients.
+    def train(
+        self, batch: SFTBatch | None = None, error: Exception | None = None
+    ) -> dict[str, Any]:
+        """Forward/backward over the batch (default: the one `begin` counted) in micro-batches,
+        accumulating gradients.
 
         Sharded, every forward and backward is a collective (parameters are gathered,
         gradients reduce-scattered), so the ranks keep in step: they agree first that all of
@@ -168,6 +174,7 @@ class Replica:
         step = self._require_open("train_step")
         if step.trained:
             raise RuntimeError("train_step called twice in one step")
+        batch = step.batch if batch is None else batch
         self.model.train()
         size = self.policy.train_micro_batch_size
         t_all = time.perf_counter()

@@ -269,13 +269,12 @@ class PolicyWorkerBase(WorkerStateMixin):
         error: Exception | None = None
         try:  # sharded, the other ranks must hear of a failure before their forward
             fault_point("worker:train", step=self.replica.steps_done + 1, rank=self.rank)
-            batch = self._require_loader().active_batch
         except Exception as exc:  # noqa: BLE001 - raised by `train` after the ranks agree
-            error, batch = exc, None
+            error = exc
         with traced(
             FORWARD_BACKWARD_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.train)
         ):
-            return self.replica.train(batch, error)
+            return self.replica.train(error=error)  # the batch `begin` counted
 
     def finish_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """All-reduce gradients, clip, step AdamW and the LR schedule; the step's metrics."""
