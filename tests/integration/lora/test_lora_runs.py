@@ -309,3 +309,21 @@ def test_debug_commands_validation_and_traces_work_on_a_lora_run(
     step, trace, executions = find_step_trace(run_dir, 3)
     assert step["operationName"] == STEP_SPAN and executions == 1
     assert len({s["processID"] for s in trace["spans"]}) >= 3  # the controller and 2 workers
+
+
+def test_a_bfloat16_base_sharded_beside_float32_adapters_trains_and_resumes(
+    ray_session, demo_data, tiny_llama, tmp_path
+):
+    """FSDP2 over a frozen bf16 base and float32 adapters (the mixed dtypes of one unit), as
+    examples/lora.yaml runs: it trains, saves adapters only, and its checkpoint resumes."""
+    extra = (*SHARDED, "policy.precision=bfloat16")
+    run_dir = tmp_path / "run"
+    config = small_config(run_dir, demo_data, 2, *_overrides(tiny_llama, *extra))
+    assert run_training(config)["reason"] == "completed"
+    losses = [loss for loss, _ in committed(run_dir).values()]
+    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses)
+    saved = load_weights(run_dir, 2)
+    assert saved and all(is_adapter(n) and t.dtype == torch.float32 for n, t in saved.items())
+    config = small_config(run_dir, demo_data, 3, *_overrides(tiny_llama, *extra))
+    assert run_training(config)["reason"] == "completed"
+    assert sorted(committed(run_dir)) == [1, 2, 3]
