@@ -32,7 +32,7 @@ from sft_runtime.runtime.export.shards import (
     write_shards,
 )
 from sft_runtime.runtime.lora.adapters import ADAPTER, is_adapter, peft_config, peft_key
-from sft_runtime.runtime.lora.base import BASE_FILE, weights_digest
+from sft_runtime.runtime.lora.base import BASE_FILE, base_folder, weights_digest
 from sft_runtime.runtime.lora.config import LoraConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -83,7 +83,7 @@ def merged_writer(
 ) -> Callable[[Path], None]:
     """The base with the adapters merged, as a model folder (checked here, written when
     called); float32 unless ``dtype``."""
-    base = Path(record["base_model"]).expanduser()
+    base = base_folder(record["base_model"])
     if not base.is_dir():
         raise UserInputError(
             f"--merge: the base {record['base_model']!r} the adapters were trained on is not "

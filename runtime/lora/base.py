@@ -31,9 +31,23 @@ def weight_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
 
 
+def base_folder(path: str | os.PathLike) -> Path:
+    """The base's folder: the path itself, or a hub id's snapshot in the local cache (where
+    the workers' `from_pretrained` put it)."""
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        return folder
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path), local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a folder, nor a cached hub model
+        return folder
+
+
 def weights_digest(path: str | os.PathLike) -> str:
     """``sha256:<hex>`` of the base folder's weight files (see the module docstring)."""
-    folder = Path(path).expanduser()
+    folder = base_folder(path)
     files = weight_files(folder) if folder.is_dir() else []
     if not files:
         raise UserInputError(f"policy.model.hf_path {str(path)!r}: no weight files to digest")
