@@ -43,6 +43,7 @@ BENCHMARKS = [
     "scaling",
     "resume",
     "load_memory",
+    "lora",
     "hf_start_readers",
     "shutdown",
 ]
