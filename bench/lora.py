@@ -98,7 +98,7 @@ def train_child(folder: str, mode: str, out: str) -> dict[str, Any]:
         replica.train(batch)
         result = replica.finish()
         times.append(time.perf_counter() - t0)
-        losses.append(result["loss"])
+        losses.append(result.loss)
     moments = [
         v for s in replica.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     ]

@@ -3,9 +3,10 @@
 Both sides train the same model on the same synthetic batches with the same number of
 processes, one torch thread each, gloo on CPU. The baseline is two bare subprocesses of
 this file (no Ray) running load -> token-count all-reduce -> micro-batch forward/backward
--> flat gradient all-reduce -> clip -> AdamW -> commit. The Ray side runs the controller's
-sequence: `load_batches`, `train_step`, `commit_batches` (three round trips), and a
-pipelined variant that submits load and train back to back (two). The sides alternate in rounds
+-> flat gradient all-reduce -> clip -> AdamW -> commit. The Ray side runs the runtime's
+step calls: `send_start`, `send_finish` and `commit_batches` each waited for (three round
+trips), and pipelined as the controller sends them, the start (committing the batch before)
+and the finish back to back (one). The sides alternate in rounds
 (baseline, group, baseline, ...) so that load from other processes on a shared machine
 hits both alike; the headline ratio is the median of the per-round ratios of median step
 times, the runtime's overhead; the target is <= 1.10.
@@ -206,30 +207,37 @@ class _Group:
         self.fn = NLLLossFn()
         self.group = PolicyWorkerGroup(policy, cluster, seed=0, name="bench-policy")
         self.group.setup_loaders([_source(r) for r in range(WORLD)])
+        self._finished = False  # a pipelined step's batch awaits the next start's commit
         for _ in range(WARMUP):
             self.step()
 
     def step(self) -> tuple[float, float, float]:
-        """The controller's sequence for one step; (seconds, fwd/bwd seconds, loss)."""
+        """One step, each call waited for: start, finish, then the batch's commit (three
+        round trips); (seconds, fwd/bwd seconds, loss)."""
         t0 = time.perf_counter()
-        self.group.load_batches()
-        results = self.group.run_train_step(self.fn)
+        started = self.group.wait(self.group.send_start(self.fn, False))
+        results = self.group.wait(self.group.send_finish())
         self.group.commit_batches()
-        return time.perf_counter() - t0, results[0]["forward_backward_s"], results[0]["loss"]
+        return time.perf_counter() - t0, started[0].forward_backward_s, results[0].loss
 
     def step_pipelined(self) -> tuple[float, float, float]:
-        """Load and train submitted back to back (actor calls run in order): one round trip
-        fewer; a failed load makes the step fail on every rank, as it would anyway."""
+        """The controller's sequence: the start (committing the previous step's batch) and
+        the finish sent back to back (actor calls run in order), one wait: one round trip."""
         t0 = time.perf_counter()
-        refs = self.group.send_load()
-        train = self.group.send_run_train_step(self.fn)
-        results = self.group.wait(refs + train)[len(refs) :]
-        self.group.commit_batches()
-        return time.perf_counter() - t0, results[0]["forward_backward_s"], results[0]["loss"]
+        refs = self.group.send_start(self.fn, self._finished)
+        finish = self.group.send_finish()
+        out = self.group.wait(refs + finish)
+        started, results = out[: len(refs)], out[len(refs) :]
+        self._finished = True  # the next start commits this batch
+        return time.perf_counter() - t0, started[0].forward_backward_s, results[0].loss
 
     def round(self, pipelined: bool = False) -> list[tuple[float, float, float]]:
         step = self.step_pipelined if pipelined else self.step
-        return [step() for _ in range(STEPS)]
+        steps = [step() for _ in range(STEPS)]
+        if self._finished:  # the last pipelined step's batch: committed on its own
+            self.group.commit_batches()
+            self._finished = False
+        return steps
 
     def close(self) -> list[int]:
         try:

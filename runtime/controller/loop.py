@@ -8,8 +8,6 @@ it. `controller.actor.SFTSingleControllerActor` is this class made remote.
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
 from dataclasses import replace
@@ -17,7 +15,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from sft_runtime.events import open_log
 from sft_runtime.events.log import next_attempt
 from sft_runtime.runtime.checkpoint.save import Checkpointer
 from sft_runtime.runtime.config import (
@@ -25,24 +22,30 @@ from sft_runtime.runtime.config import (
     _max_train_steps,
     loader_spec,
     run_checkpoints,
-    step_rules,
+)
+from sft_runtime.runtime.controller.attempt import (
+    end_attempt,
+    end_reason,
+    open_attempt,
+    undo_step,
 )
 from sft_runtime.runtime.controller.step_calls import StepCalls
-from sft_runtime.runtime.controller.teardown import ControllerTeardown
 from sft_runtime.runtime.controller.validation import Validator
 from sft_runtime.runtime.data.factory import build_colocated_loader
 from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.metrics.step_metrics import (
-    SAMPLE_COUNT_KEYS,
     SFT_V2_TEED_METRICS,
+    RunTally,
     check_envelopes,
+    run_summary,
     sample_digest,
     step_attributes,
     step_metrics,
     step_timings,
 )
 from sft_runtime.runtime.policy.calls import Pending
+from sft_runtime.runtime.policy.results import StepFinished, StepStarted
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.liveness import check_driver
 from sft_runtime.runtime.process.niceness import set_niceness
@@ -78,7 +81,7 @@ SEED_STEPS = (
 embedding user who reads or overrides one changes the path that runs."""
 
 
-class SFTController(ControllerTeardown):
+class SFTController:
     """Drives the policy workers through the machine's states for one attempt of a run."""
 
     def __init__(self, master_config: MasterConfig, actor_args: Any) -> None:
@@ -97,9 +100,7 @@ class SFTController(ControllerTeardown):
         self.ckpt = self.checkpointer.store
         self.max_steps = _max_train_steps(master_config)
         self._stop = threading.Event()
-        self._last_metrics: dict[str, Any] = {}
-        self._losses: list[float] = []
-        self._sample_counts = dict.fromkeys(SAMPLE_COUNT_KEYS, 0)
+        self.tally = RunTally()  # this attempt's committed steps
         self.log = None
         self.calls = StepCalls(self.group, actor_args.loss_fn)
         self.validator = Validator(master_config, self.group)
@@ -155,7 +156,7 @@ class SFTController(ControllerTeardown):
                     self._validate_if_due()
                     if self._should_save(save_by_timeout=self.model.save_by_timeout()):
                         self._save_checkpoint()
-                reason = self._end_reason()
+                reason = end_reason(self.model, stopping=self._stop.is_set())
             except BaseException as exc:
                 interrupted = isinstance(exc, KeyboardInterrupt)
                 reason, error = ("interrupted" if interrupted else "failed"), exc
@@ -167,25 +168,8 @@ class SFTController(ControllerTeardown):
 
     # -- phases --------------------------------------------------------------------------
     def _open(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        cluster = self.args.train_cluster
-        owner = {k: cluster[k] for k in ("driver_pid", "driver_host") if k in cluster}
-        self.log = open_log(self.run_dir, owner=owner)
-        state = self.args.save_state
-        rules = step_rules(self.config, now=time.time())
-        self.model = ControllerModel(rules, log=self.log, save_state=state)
-        self.metrics = MetricsLogger.for_run(
-            self.config.logger, self.run_dir, first_step=state.total_steps + 1
-        )
-        self.model.start(
-            event=fold.run_started_event(
-                state,
-                max_steps=self.max_steps,
-                logical_world_size=self.plan.logical_world_size,
-                node_ids=self.args.train_cluster.get("node_ids", []),
-                host=socket.gethostname(),
-                pid=os.getpid(),
-            )
+        self.log, self.model, self.metrics = open_attempt(
+            self.config, self.args, self.run_dir, max_steps=self.max_steps
         )
         self.validator.read_log(self.log)  # after run_started: what this resume rolled back
 
@@ -252,17 +236,10 @@ class SFTController(ControllerTeardown):
             t_done = trace.seconds_since_start()
             in_flight.trained()
             self._fault_after(StepPhase.train, step)
-            load_time = max(e.load_seconds for e in envelopes)
             metrics = step_metrics(
-                envelopes,
-                results,
-                load_time=load_time,
-                policy_time=t_done - load_time,
-                total_time=trace.seconds_since_start(),
+                envelopes, results, trained_s=t_done, total_time=trace.seconds_since_start()
             )
-            in_flight.enter(
-                StepPhase.metrics
-            )  # the config refused an unknown checkpoint metric already
+            in_flight.enter(StepPhase.metrics)  # the config checked the checkpoint metric
             in_flight.enter(StepPhase.commit)
             self._check_driver()  # a killed run commits no step after its driver died
             self.calls.recorded()  # the loader commit goes with the next start
@@ -284,17 +261,14 @@ class SFTController(ControllerTeardown):
         except BaseException as exc:
             self._abort_step(exc, in_flight)
             raise
-        self._last_metrics = metrics
-        self._losses.append(metrics["loss"])
-        for key in SAMPLE_COUNT_KEYS:
-            self._sample_counts[key] += metrics[key]
+        self.tally.add(metrics)
         self.metrics.log(step, metrics)
         self.instruments.record(metrics, {"attempt": self._attempt})
         if trace.recording:
             consumed = self.model.save_state.consumed_samples
             self._step_attributes = step_attributes(metrics, consumed)
 
-    def _run_train_step(self, step: int) -> tuple[list, list[dict[str, Any]]]:
+    def _run_train_step(self, step: int) -> tuple[list, list[StepFinished]]:
         """Send the step's start (unless sent ahead) and finish, and the next step's start when
         it is certain to follow (`StepCalls`); then wait: envelopes and finish metrics."""
         start = self.calls.start(step, self._trace.carrier())  # under the step's root
@@ -313,11 +287,10 @@ class SFTController(ControllerTeardown):
     def _load_envelopes(self, start: Pending, step: int) -> list:
         """The owners' envelopes from the step's start: the batch is loaded (it stays in the
         workers), the machine moves to ``stepping``."""
-        outs = self.group.wait(start)
-        began = [o["started_ns"] for o in outs if isinstance(o, dict) and "started_ns" in o]
-        if began and self._trace is not None:
-            self._trace.began(min(began))  # a start sent ahead began when a worker took it
-        envelopes = [outs[rank]["envelope"] for rank in self.group.owner_ranks]
+        outs: list[StepStarted] = self.group.wait(start)
+        if outs and self._trace is not None:  # a start sent ahead began when a worker took it
+            self._trace.began(min(o.started_ns for o in outs))
+        envelopes = [outs[rank].envelope for rank in self.group.owner_ranks]
         check_envelopes(envelopes, self.plan.logical_world_size)
         self._fault_after(StepPhase.loading, step)
         self.model.batch_loaded()
@@ -335,7 +308,7 @@ class SFTController(ControllerTeardown):
 
     def _policy_metrics(self) -> dict[str, Any]:
         """The last committed step's metrics (what a checkpoint is ranked by)."""
-        return dict(self._last_metrics)
+        return dict(self.tally.last)
 
     def _owner_call(self, call: Any) -> Any:
         """One of the group's loader-owner calls (``self.group.close_loaders``, ...), joined to
@@ -409,6 +382,44 @@ class SFTController(ControllerTeardown):
             self.model.saved(event=write.complete(loader_states))
         fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
         quietly("prune old checkpoints", self.checkpointer.prune)
+
+    def _close_loaders(self) -> None:
+        """The last step's batch committed (a start sent ahead undone), then the loaders closed."""
+        try:
+            self.calls.drop_ahead()
+            self.calls.flush_commit()
+        finally:
+            self._owner_call(self.group.close_loaders)
+
+    def _abort_step(self, exc: BaseException, in_flight: StepInFlight) -> None:
+        undo_step(exc, in_flight, calls=self.calls, group=self.group, model=self.model)
+
+    def _close(self, reason: str, error: BaseException | None) -> None:
+        telemetry = self.config.telemetry
+        self._flush_by = end_attempt(
+            reason,
+            error,
+            close_loaders=self._close_loaders,
+            group=self.group,
+            flush_bound_s=telemetry.shutdown_timeout_s if telemetry is not None else 0.0,
+            metrics=self.metrics,
+            model=self.model,
+            log=self.log,
+            attempt=self._attempt,
+        )
+
+    def _summary(self, start_step: int, reason: str) -> dict[str, Any]:
+        return run_summary(
+            self.model.save_state,
+            reason=reason,
+            attempt=self.log.attempt,
+            start_step=start_step,
+            max_steps=self.max_steps,
+            losses=self.tally.losses,
+            checkpoints=self.ckpt.steps(),
+            run_dir=self.run_dir,
+            sample_counts=self.tally.sample_counts,
+        ) | {"telemetry_flush_by": self._flush_by}
 
     def _fault_after(self, phase: StepPhase, step: int) -> None:
         fault_point(phase.fault_point, step=step, attempt=self._attempt)

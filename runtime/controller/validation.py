@@ -57,12 +57,12 @@ class Validator:
         with traced(VALIDATION_SPAN, attributes={"step": step, "attempt": attempt}) as span:
             outs = self.group.validate(self.spec, carrier=inject_carrier())
             fault_point("validating:after_pass", step=step, attempt=attempt)
-            nll = sum(o["nll_sum"] for o in outs)
-            tokens = sum(o["tokens"] for o in outs)
+            nll = sum(o.nll_sum for o in outs)
+            tokens = sum(o.tokens for o in outs)
             metrics = {
                 "val_loss": nll / max(tokens, 1),
                 "val_tokens": tokens,
-                "val_samples": sum(o["samples"] for o in outs),
+                "val_samples": sum(o.samples for o in outs),
                 "val_time": time.perf_counter() - t0,
             }
             span.set_attribute("sft.val.loss", metrics["val_loss"])
@@ -72,7 +72,7 @@ class Validator:
             event = fold.validation_completed_event(
                 step,
                 metrics,
-                sample_digest=sample_digest(_in_order([o["source_ids"] for o in outs])),
+                sample_digest=sample_digest(_in_order([o.source_ids for o in outs])),
                 trace_id=trace_id,
                 span_id=span_id,
             )

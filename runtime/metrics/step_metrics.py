@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from sft_runtime.runtime.data.batch import StepEnvelope
+
+if TYPE_CHECKING:  # the workers' records, read by attribute: no upward import at run time
+    from sft_runtime.runtime.policy.results import StepFinished
 
 LOADER_LATENCY_MAX_KEY = "loader_latency_max"
 POLICY_TIME_KEY = "policy_time"
@@ -56,22 +59,25 @@ def check_envelopes(envelopes: Sequence[StepEnvelope], logical_world_size: int) 
 
 def step_metrics(
     envelopes: Sequence[StepEnvelope],
-    results: Sequence[dict[str, Any]],
+    results: Sequence[StepFinished],
     *,
-    load_time: float,
-    policy_time: float,
+    trained_s: float,
     total_time: float,
 ) -> dict[str, Any]:
-    """The metric keys of one step (logged to metrics.jsonl and the step_committed record)."""
+    """The metric keys of one step (logged to metrics.jsonl and the step_committed record):
+    ``trained_s`` from the step's start to its gradients applied, of which the slowest
+    loader's time is loading and the rest the policy's."""
+    load_time = max((e.load_seconds for e in envelopes), default=0.0)
+    policy_time = trained_s - load_time
     latencies = [e.load_seconds for e in envelopes]
     tokens = [e.valid_tokens for e in envelopes]
     mean_tokens = sum(tokens) / len(tokens) if tokens else 0.0
     valid_tokens = sum(tokens)
     head = results[0]
     metrics = {
-        "loss": float(head["loss"]),
-        "grad_norm": float(head["grad_norm"]),
-        "lr": float(head["lr"]),
+        "loss": float(head.loss),
+        "grad_norm": float(head.grad_norm),
+        "lr": float(head.lr),
         "valid_tokens": valid_tokens,
         "source_samples": sum(len(e.source_ids) for e in envelopes),
         "physical_packs": sum(e.physical_packs for e in envelopes),
@@ -84,10 +90,9 @@ def step_metrics(
         TOTAL_STEP_TIME_KEY: total_time,
         VALID_TOKENS_PER_SECOND_KEY: valid_tokens / total_time if total_time > 0 else 0.0,
     }
-    for key in WORKER_TIME_KEYS:
-        values = [float(r[key]) for r in results if key in r]
-        if values:
-            metrics[key] = max(values)
+    for key in WORKER_TIME_KEYS:  # the slowest rank's
+        if results:
+            metrics[key] = max(float(getattr(r, key)) for r in results)
     return metrics
 
 
@@ -176,3 +181,22 @@ def run_summary(
         "run_dir": str(run_dir),
         **{key: (sample_counts or {}).get(key, 0) for key in SAMPLE_COUNT_KEYS},  # this attempt
     }
+
+
+@dataclass
+class RunTally:
+    """What an attempt's committed steps add up to: the run's summary and the metrics a
+    checkpoint is ranked by (the last step's)."""
+
+    last: dict[str, Any] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+    sample_counts: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(SAMPLE_COUNT_KEYS, 0)
+    )
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        """A committed step's metrics (`step_metrics`)."""
+        self.last = metrics
+        self.losses.append(metrics["loss"])
+        for key in SAMPLE_COUNT_KEYS:
+            self.sample_counts[key] += metrics[key]

@@ -16,7 +16,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sft_runtime.runtime.data.batch import BatchSource, StepEnvelope
+from sft_runtime.runtime.data.batch import BatchSource
+from sft_runtime.runtime.policy.results import (
+    CheckpointFiles,
+    CheckpointLoaded,
+    StepUndone,
+    ValidationResult,
+)
 
 Ranks = Literal["all", "owners"] | Sequence[int]
 
@@ -81,7 +87,8 @@ class WorkerCalls:
         carrier: dict | None = None,
     ) -> Pending:
         """`start_sft_step`: commit the previous batch (if asked), load, begin, forward and
-        backward. Results carry each owner's `StepEnvelope` and when each call began."""
+        backward. Its results are `StepStarted` records: each owner's `StepEnvelope` and
+        when each call began."""
         return self._submit(
             "start_sft_step",
             loss_fn,
@@ -91,7 +98,8 @@ class WorkerCalls:
         )
 
     def send_finish(self, *, carrier: dict | None = None, ranks: Ranks = "all") -> Pending:
-        """`finish_train_step`: gradient all-reduce, clip, optimizer step."""
+        """`finish_train_step`: gradient all-reduce, clip, optimizer step; its results are
+        `StepFinished` records."""
         return self._submit("finish_train_step", ranks=ranks, _otel_carrier=carrier)
 
     def send_save(
@@ -114,14 +122,6 @@ class WorkerCalls:
         self._submit("begin_checkpoint", *args, rng_path=rng_path, _otel_carrier=carrier)
         return self._submit("checkpoint_written", weights_path, _otel_carrier=carrier)
 
-    def send_load(self, *, carrier: dict | None = None) -> Pending:
-        """`load_next_sft_batch` on every owner (the older, phase-by-phase step)."""
-        return self._submit("load_next_sft_batch", ranks="owners", _otel_carrier=carrier)
-
-    def send_run_train_step(self, loss_fn: Any, *, carrier: dict | None = None) -> Pending:
-        """`run_train_step`: begin, train and finish inside each worker."""
-        return self._submit("run_train_step", loss_fn, _otel_carrier=carrier)
-
     # ------------------------------------------------------------ loaders
     def setup_loaders(
         self,
@@ -138,9 +138,6 @@ class WorkerCalls:
             per_rank_args=list(zip(factories, states, strict=True)),
             prefetch_depth=prefetch_depth,
         )
-
-    def load_batches(self, *, carrier: dict | None = None) -> list[StepEnvelope]:
-        return self._run("load_next_sft_batch", ranks="owners", _otel_carrier=carrier)
 
     def commit_batches(self, *, carrier: dict | None = None) -> None:
         self._run("commit_sft_batch", ranks="owners", _otel_carrier=carrier)
@@ -164,26 +161,11 @@ class WorkerCalls:
     def close_loaders(self, *, carrier: dict | None = None) -> None:
         self._run("close_sft_dataloader", ranks="owners", _otel_carrier=carrier)
 
-    # ------------------------------------------------------------ training, phase by phase
+    # ------------------------------------------------------------ training
     def prepare_for_training(self, *, carrier: dict | None = None) -> None:
         self._run("prepare_for_training", _otel_carrier=carrier)
 
-    def begin_train_step(self, loss_fn: Any, *, carrier: dict | None = None) -> list[Any]:
-        return self._run("begin_train_step", loss_fn, _otel_carrier=carrier)
-
-    def train_step(self, *, carrier: dict | None = None) -> list[dict]:
-        """Forward and backward over this rank's micro-batches (the step's middle phase)."""
-        return self._run("train_step", _otel_carrier=carrier)
-
-    def finish_train_step(self, *, carrier: dict | None = None) -> list[dict]:
-        return self._run("finish_train_step", _otel_carrier=carrier)
-
-    def run_train_step(self, loss_fn: Any = None, timeout_s: float | None = None) -> list[dict]:
-        """begin, train and finish back to back inside each worker: one round trip. Returns
-        each rank's metrics; on error the step may be open: call `abort_train_step`."""
-        return self._run("run_train_step", loss_fn, timeout_s=timeout_s)
-
-    def abort_train_step(self, *, carrier: dict | None = None) -> list[dict]:
+    def abort_train_step(self, *, carrier: dict | None = None) -> list[StepUndone]:
         """Drop the open step's gradients and rewind its RNG (a no-op when none is open)."""
         return self._run("abort_train_step", _otel_carrier=carrier)
 
@@ -195,7 +177,7 @@ class WorkerCalls:
         tokenizer_path: str | None = None,
         is_final_checkpoint: bool = False,
         rng_path: str | None = None,
-    ) -> list[dict]:
+    ) -> list[CheckpointFiles]:
         return self._run(
             "save_checkpoint",
             weights_path,
@@ -207,7 +189,7 @@ class WorkerCalls:
 
     def load_checkpoint(
         self, weights_path: str, optimizer_path: str | None = None, rng_path: str | None = None
-    ) -> list[dict]:
+    ) -> list[CheckpointLoaded]:
         return self._run("load_checkpoint", weights_path, optimizer_path, rng_path=rng_path)
 
     def get_weights(self, *, ranks: Ranks = "all", include_frozen: bool = False) -> list[dict]:
@@ -236,7 +218,7 @@ class WorkerCalls:
     def local_storage(self) -> list[dict[str, int]]:
         return self._run("local_storage")
 
-    def validate(self, spec: Any, *, carrier: dict | None = None) -> list[dict[str, Any]]:
+    def validate(self, spec: Any, *, carrier: dict | None = None) -> list[ValidationResult]:
         """Every rank's share of a validation pass (`PolicyWorker.validate`)."""
         return self._run("validate", spec, _otel_carrier=carrier)
 

@@ -43,6 +43,7 @@ from sft_runtime.runtime.policy.config import PolicyConfig
 from sft_runtime.runtime.policy.hf_model import hf_state_dict, load_hf_state_dict, own_names
 from sft_runtime.runtime.policy.loss import NLLLossFn, read_metrics
 from sft_runtime.runtime.policy.model import build_model, forward_logits
+from sft_runtime.runtime.policy.results import StepFinished, StepUndone
 from sft_runtime.runtime.policy.schedule import lr_at
 from sft_runtime.traces.context import TRACER
 from sft_runtime.traces.spans import ALLREDUCE_SPAN, OPTIMIZER_SPAN
@@ -211,7 +212,7 @@ class Replica:
             "forward_backward_s": step.forward_backward_s,
         }
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> StepFinished:
         """All-reduce gradients and loss, clip, take the optimizer step (collective).
 
         The flat buffer carries a "not ready" flag: if any rank has no trained step, every
@@ -258,20 +259,20 @@ class Replica:
         self.steps_done += 1
         self._open = None
         t2 = time.perf_counter()
-        return {
-            "loss": global_nll / max(step.global_valid_tokens, 1),
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "valid_tokens": step.global_valid_tokens,
-            "local_valid_tokens": step.local_valid_tokens,
-            "micro_batches": step.micro_batches,
-            "forward_backward_s": step.forward_backward_s,
-            "allreduce_s": t1 - t0,
-            "optimizer_s": t2 - t1,
-            "step": self.steps_done,
-        }
+        return StepFinished(
+            loss=global_nll / max(step.global_valid_tokens, 1),
+            grad_norm=grad_norm,
+            lr=lr,
+            valid_tokens=step.global_valid_tokens,
+            local_valid_tokens=step.local_valid_tokens,
+            micro_batches=step.micro_batches,
+            forward_backward_s=step.forward_backward_s,
+            allreduce_s=t1 - t0,
+            optimizer_s=t2 - t1,
+            step=self.steps_done,
+        )
 
-    def abort(self) -> dict[str, Any]:
+    def abort(self) -> StepUndone:
         """Drop the open step's gradients and rewind the RNG its forward passes used (dropout):
         weights, optimizer state and random streams are as if the step never began."""
         was_open = self._open is not None
@@ -279,7 +280,7 @@ class Replica:
             self._set_rng_state(self._open.rng)
         self.model.zero_grad(set_to_none=True)
         self._open = None
-        return {"aborted": was_open, "step": self.steps_done}
+        return StepUndone(aborted=was_open, step=self.steps_done)
 
     # ----------------------------------------------------------------- state
     def weights(self, *, include_frozen: bool = False) -> dict[str, torch.Tensor]:

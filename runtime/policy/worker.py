@@ -2,7 +2,7 @@
 
 One actor per DP rank. The batch a rank trains on is built by its own colocated loader
 (a `BatchSource` made from a picklable zero-arg factory) and never leaves the process; the
-controller only sees `StepEnvelope`s and metric dicts.
+controller only sees `StepEnvelope`s and the frozen records of `runtime.policy.results`.
 
 Lifecycle, driven by `PolicyWorkerGroup`: the constructor pins the torch thread count,
 seeds python/numpy/torch (``seed + rank``) and builds the model from ``seed`` alone (the
@@ -11,12 +11,13 @@ a free port; `init_distributed` on every rank then joins torch.distributed (gloo
 NCCL with a GPU) with an explicit timeout, so a rank that never arrives fails the group
 instead of hanging for gloo's default 30 minutes.
 
-One training step has three phases (see `runtime.policy.replica`): `begin_train_step`
-(collective: global token count), `train_step` (local forward/backward), `finish_train_step`
-(collective: gradients, clip, AdamW). The controller's loop sends a step as two calls,
-`start_sft_step` (commit the previous batch, load, begin, train) and `finish_train_step`;
-the phases stay callable one by one for tools and tests. Every method accepts
-``_otel_carrier`` (a W3C carrier dict: the worker's spans join the caller's trace).
+One training step has three phases (see `runtime.policy.replica`): begin (collective:
+the global token count), train (local forward/backward) and finish (collective: gradients,
+clip, AdamW). A step is two calls, the only way to drive one, for the controller, the
+benchmarks and the tests alike: `start_sft_step` (commit the previous batch, load, begin,
+train) and `finish_train_step`; `abort_train_step` + `abort_sft_batch` undo a start. Every
+method accepts ``_otel_carrier`` (a W3C carrier dict: the worker's spans join the caller's
+trace).
 """
 
 from __future__ import annotations
@@ -35,12 +36,19 @@ import ray
 import torch
 import torch.distributed as dist
 
-from sft_runtime.runtime.data.batch import BatchSource, StepEnvelope
+from sft_runtime.runtime.data.batch import BatchSource
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.policy.background_writes import BackgroundWrites
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
-from sft_runtime.runtime.policy.worker_state import WRITES_GROUP, WorkerStateMixin
+from sft_runtime.runtime.policy.results import (
+    CheckpointFiles,
+    CheckpointLoaded,
+    StepFinished,
+    StepStarted,
+    StepUndone,
+    ValidationResult,
+)
+from sft_runtime.runtime.policy.worker_state import WorkerState
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.niceness import set_niceness
 from sft_runtime.states.step import StepPhase
@@ -56,8 +64,10 @@ from sft_runtime.traces.spans import (
     traced,
 )
 
+WRITES_GROUP = "checkpoint_writes"  # the actor's concurrency group of `checkpoint_written`
 
-class PolicyWorkerBase(WorkerStateMixin):
+
+class PolicyWorkerBase:
     """The worker's logic; `PolicyWorker` is its Ray actor class."""
 
     def __init__(
@@ -89,7 +99,9 @@ class PolicyWorkerBase(WorkerStateMixin):
         if self.has_gpu:
             torch.cuda.set_device(self.device)
         self.replica = Replica(policy, seed=seed, device=self.device)
-        self._writes = BackgroundWrites()
+        self.state = WorkerState(
+            self.replica, policy, rank=rank, world_size=world_size, num_threads=self.num_threads
+        )
         self._loader: BatchSource | None = None
         self._batch_step: int | None = None  # replica steps done when the active batch loaded
         self._validation: Any = None  # this rank's `ValidationShare`, rendered once
@@ -156,7 +168,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         """Peak resident memory of this worker process (Linux reports KiB)."""
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    def validate(self, spec: Any, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
+    def validate(self, spec: Any, *, _otel_carrier: dict | None = None) -> ValidationResult:
         """This rank's share of a validation pass (`ValidationSpec`) under the current
         weights: summed NLL, supervised tokens, samples, and the ids of its samples. The
         share is read and rendered at the first pass and kept; no RNG is consumed."""
@@ -175,14 +187,14 @@ class PolicyWorkerBase(WorkerStateMixin):
                 except Exception as exc:  # noqa: BLE001 - raised once the ranks agreed
                     error, batches = exc, []
                 nll, tokens = evaluate(self.replica, batches, error)
-        return {
-            "nll_sum": nll,
-            "tokens": tokens,
-            "samples": share.samples,
-            "total": share.total,
-            "source_ids": share.source_ids,
-            "seconds": time.perf_counter() - t0,
-        }
+        return ValidationResult(
+            nll_sum=nll,
+            tokens=tokens,
+            samples=share.samples,
+            total=share.total,
+            source_ids=share.source_ids,
+            seconds=time.perf_counter() - t0,
+        )
 
     # ----------------------------------------------------------------- loader
     def setup_sft_dataloader(
@@ -210,10 +222,6 @@ class PolicyWorkerBase(WorkerStateMixin):
 
         loader.setup(load_loader_state(restored_state))
         self._loader = loader
-
-    def load_next_sft_batch(self, *, _otel_carrier: dict | None = None) -> StepEnvelope:
-        with traced(LOAD_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.loading)):
-            return self._require_loader().load()
 
     def commit_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
         with traced(
@@ -255,48 +263,14 @@ class PolicyWorkerBase(WorkerStateMixin):
     def prepare_for_training(self, *, _otel_carrier: dict | None = None) -> None:
         self.replica.model.train()
 
-    def begin_train_step(
-        self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
-    ) -> dict[str, int]:
-        """Open a step on the active batch; all-reduce the supervised-token count."""
-        with traced(
-            BEGIN_STEP_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.train)
-        ):
-            return self.replica.begin(loss_fn, lambda: self._require_loader().active_batch)
-
-    def train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
-        """Forward/backward on this rank's active batch (gradient accumulation)."""
-        error: Exception | None = None
-        try:  # sharded, the other ranks must hear of a failure before their forward
-            fault_point("worker:train", step=self.replica.steps_done + 1, rank=self.rank)
-        except Exception as exc:  # noqa: BLE001 - raised by `train` after the ranks agree
-            error = exc
-        with traced(
-            FORWARD_BACKWARD_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.train)
-        ):
-            return self.replica.train(error=error)  # the batch `begin` counted
-
-    def finish_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
+    def finish_train_step(self, *, _otel_carrier: dict | None = None) -> StepFinished:
         """All-reduce gradients, clip, step AdamW and the LR schedule; the step's metrics."""
         fault_point("worker:finish", step=self.replica.steps_done + 1, rank=self.rank)
         with traced(
             FINISH_STEP_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.train)
         ):
-            self._writes.wait_copied()  # a checkpoint being written still reads the weights
+            self.state.writes.wait_copied()  # a checkpoint being written still reads the weights
             return self.replica.finish()
-
-    def run_train_step(
-        self, loss_fn: Any = None, *, _otel_carrier: dict | None = None
-    ) -> dict[str, Any]:
-        """begin + train + finish in one call: the same step, two fewer Ray round trips.
-
-        Returns `finish_train_step`'s metrics plus ``begin_s`` (the token all-reduce).
-        """
-        t0 = time.perf_counter()
-        self.begin_train_step(loss_fn)
-        begin_s = time.perf_counter() - t0
-        self.train_step()
-        return {**self.finish_train_step(), "begin_s": begin_s}
 
     def start_sft_step(
         self,
@@ -305,7 +279,7 @@ class PolicyWorkerBase(WorkerStateMixin):
         *,
         sent_ahead: bool = False,
         _otel_carrier: dict | None = None,
-    ) -> dict[str, Any]:
+    ) -> StepStarted:
         """A step up to its gradients, in one call: commit the previous batch, load, begin, train.
 
         `finish_train_step` (the gradient all-reduce and the optimizer) is the step's second
@@ -319,25 +293,24 @@ class PolicyWorkerBase(WorkerStateMixin):
         so every rank fails at once instead of waiting for the process-group timeout (a failed
         train makes the queued `finish` refuse on every rank). The error is raised with
         ``sft_phase`` (a `StepPhase`: loading or train) set, which the controller records in
-        ``step_aborted``. Returns the envelope, ``begin_s``, ``forward_backward_s`` and
-        ``started_ns`` (when this call began: where the step's trace starts when the call was
-        sent ahead and queued here behind the previous step).
+        ``step_aborted``. ``started_ns`` in the result is when this call began: where the
+        step's trace starts when the call was sent ahead and queued here behind the previous
+        step.
         """
         started_ns = time.time_ns()
         attrs = {"rank": self.rank, "sft.sent_ahead": sent_ahead}
         with traced(
             START_STEP_SPAN, carrier=_otel_carrier, attributes=attrs, start_time=started_ns
         ):
-            out = self._start_step(loss_fn, commit_previous)
-        return {**out, "started_ns": started_ns}
+            return self._start_step(loss_fn, commit_previous, started_ns)
 
-    def _start_step(self, loss_fn: Any, commit_previous: bool) -> dict[str, Any]:
-        carrier = None  # the spans below are children of the start's span
+    def _start_step(self, loss_fn: Any, commit_previous: bool, started_ns: int) -> StepStarted:
         before_begin: Exception | None = None
         try:
             if commit_previous:
-                self._commit_finished_batch(carrier)
-            envelope = self.load_next_sft_batch(_otel_carrier=carrier)
+                self._commit_finished_batch()
+            with traced(LOAD_SPAN, attributes=self._attrs(StepPhase.loading)):
+                envelope = self._require_loader().load()
             self._batch_step = self.replica.steps_done
         except Exception as exc:  # noqa: BLE001 - raised after the collective below
             before_begin = exc
@@ -349,34 +322,60 @@ class PolicyWorkerBase(WorkerStateMixin):
 
         t0 = time.perf_counter()
         try:
-            with traced(BEGIN_STEP_SPAN, carrier=carrier, attributes=self._attrs(StepPhase.train)):
+            with traced(BEGIN_STEP_SPAN, attributes=self._attrs(StepPhase.train)):
                 self.replica.begin(loss_fn, active_batch)
         except Exception as exc:
             phase = StepPhase.loading if before_begin else StepPhase.train
             raise _in_phase(before_begin or exc, phase) from None
         begin_s = time.perf_counter() - t0
         try:
-            trained = self.train_step(_otel_carrier=carrier)
+            forward_backward_s = self._train()
         except Exception as exc:
             raise _in_phase(exc, StepPhase.train) from None
-        return {
-            "envelope": envelope,
-            "begin_s": begin_s,
-            "forward_backward_s": trained["forward_backward_s"],
-        }
+        return StepStarted(envelope, begin_s, forward_backward_s, started_ns)
 
-    def _commit_finished_batch(self, carrier: dict | None) -> None:
+    def _train(self) -> float:
+        """Forward/backward on the batch `begin` counted (gradient accumulation); seconds."""
+        error: Exception | None = None
+        try:  # sharded, the other ranks must hear of a failure before their forward
+            fault_point("worker:train", step=self.replica.steps_done + 1, rank=self.rank)
+        except Exception as exc:  # noqa: BLE001 - raised by `train` after the ranks agree
+            error = exc
+        with traced(FORWARD_BACKWARD_SPAN, attributes=self._attrs(StepPhase.train)):
+            return self.replica.train(error=error)["forward_backward_s"]
+
+    def _commit_finished_batch(self) -> None:
         done = self._batch_step
         if done is not None and (self.replica.step_open or self.replica.steps_done != done + 1):
             raise RuntimeError(
                 f"rank {self.rank}: the step trained on the active batch did not finish; "
                 "the batch is not committed"
             )
-        self.commit_sft_batch(_otel_carrier=carrier)
+        self.commit_sft_batch()
 
-    def abort_train_step(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
+    def abort_train_step(self, *, _otel_carrier: dict | None = None) -> StepUndone:
         """Drop the open step's gradients; weights and optimizer stay bitwise unchanged."""
         return self.replica.abort()
+
+    # ----------------------------------------------------------------- state (`WorkerState`)
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> CheckpointFiles:
+        return self.state.save_checkpoint(*args, **kwargs)
+
+    def begin_checkpoint(self, *args: Any, **kwargs: Any) -> CheckpointFiles:
+        return self.state.begin_checkpoint(*args, **kwargs)
+
+    @ray.method(concurrency_group=WRITES_GROUP)  # not queued behind the steps
+    def checkpoint_written(self, *args: Any, **kwargs: Any) -> CheckpointFiles:
+        return self.state.checkpoint_written(*args, **kwargs)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> CheckpointLoaded:
+        return self.state.load_checkpoint(*args, **kwargs)
+
+    def get_weights(self, **kwargs: Any) -> dict[str, torch.Tensor]:
+        return self.state.get_weights(**kwargs)
+
+    def get_optimizer_state(self, **kwargs: Any) -> dict[str, Any]:
+        return self.state.get_optimizer_state(**kwargs)
 
     def close(self, *, _otel_carrier: dict | None = None) -> None:
         """Close the loader and leave the process group (best effort, before a kill)."""

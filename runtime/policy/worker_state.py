@@ -1,9 +1,10 @@
-"""`WorkerStateMixin`: what a policy worker saves, restores and shows of its state.
+"""`WorkerState`: what a policy worker saves, restores and shows of its state.
 
 The checkpoint files of one rank (weights and optimizer written once across the ranks, an
-RNG file per rank; layout in `runtime.policy.checkpoint`) and CPU copies for inspection.
-Mixed into `runtime.policy.worker.PolicyWorkerBase`, whose ``rank``, ``world_size``,
-``policy``, ``num_threads`` and ``replica`` it uses.
+RNG file per rank; layout in `runtime.checkpoint.policy_files`), the background writer
+that holds a checkpoint's values while the next steps train, and CPU copies for
+inspection. A worker owns one and forwards its state calls here: the replica and the
+worker's place in the group are all it needs, handed over when it is built.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import ray
 import torch
 
 from sft_runtime.runtime.checkpoint import policy_files as ckpt
@@ -20,20 +20,31 @@ from sft_runtime.runtime.data.tokenizer import save_tokenizer
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.lora.base import BASE_FILE, base_record, weights_digest
 from sft_runtime.runtime.policy.background_writes import BackgroundWrites, Copies, Write
+from sft_runtime.runtime.policy.config import PolicyConfig
 from sft_runtime.runtime.policy.hf_model import write_hf_config
+from sft_runtime.runtime.policy.replica import Replica
+from sft_runtime.runtime.policy.results import CheckpointFiles, CheckpointLoaded
 
-WRITES_GROUP = "checkpoint_writes"  # the actor's concurrency group of `checkpoint_written`
 
+class WorkerState:
+    """Checkpoint and inspection calls of one rank's replica."""
 
-class WorkerStateMixin:
-    """Checkpoint and inspection calls of a `PolicyWorker`."""
-
-    rank: int
-    world_size: int
-    policy: Any
-    num_threads: int
-    replica: Any
-    _writes: BackgroundWrites
+    def __init__(
+        self,
+        replica: Replica,
+        policy: PolicyConfig,
+        *,
+        rank: int,
+        world_size: int,
+        num_threads: int,
+    ) -> None:
+        self.replica = replica
+        self.policy = policy
+        self.rank = rank
+        self.world_size = world_size
+        self.num_threads = num_threads
+        self.writes = BackgroundWrites()
+        self._base_digest: str | None = None  # the LoRA base's, computed once
 
     def save_checkpoint(
         self,
@@ -44,7 +55,7 @@ class WorkerStateMixin:
         *,
         rng_path: str | None = None,
         _otel_carrier: dict | None = None,
-    ) -> dict[str, Any]:
+    ) -> CheckpointFiles:
         """Write this rank's share of a checkpoint; returns the files it wrote.
 
         Replicas are bitwise identical, so one copy of each file is written and the big ones
@@ -57,7 +68,7 @@ class WorkerStateMixin:
             weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path, Copies()
         )
         files = [path for write in writes for path in write()]
-        return {"rank": self.rank, "files": files, "step": self.replica.steps_done}
+        return CheckpointFiles(self.rank, self.replica.steps_done, tuple(files))
 
     def begin_checkpoint(
         self,
@@ -68,7 +79,7 @@ class WorkerStateMixin:
         *,
         rng_path: str | None = None,
         _otel_carrier: dict | None = None,
-    ) -> dict[str, Any]:
+    ) -> CheckpointFiles:
         """`save_checkpoint` with the writing done by a thread while the next steps train
         (see `runtime.policy.background_writes`); `checkpoint_written(weights_path)` returns
         what `save_checkpoint` would. A sharded save is a collective in step with the peers:
@@ -83,18 +94,18 @@ class WorkerStateMixin:
                 files = [path for write in writes for path in write()]
                 writes = [lambda: files]
         except BaseException as exc:  # noqa: BLE001 - reported by checkpoint_written
-            self._writes.failed(weights_path, exc)
+            self.writes.failed(weights_path, exc)
         else:
-            self._writes.submit(weights_path, writes, result, copies.take if copies else None)
-        return result
+            self.writes.submit(weights_path, writes, result, copies.take if copies else None)
+        return CheckpointFiles(self.rank, self.replica.steps_done)  # its files: not yet
 
-    @ray.method(concurrency_group=WRITES_GROUP)
     def checkpoint_written(
         self, weights_path: str, *, _otel_carrier: dict | None = None
-    ) -> dict[str, Any]:
+    ) -> CheckpointFiles:
         """The files of the checkpoint `begin_checkpoint` handed over, once written and
         fsynced. Served by a thread of its own, so it does not queue behind the steps."""
-        return self._writes.wait(weights_path)
+        done = self.writes.wait(weights_path)
+        return CheckpointFiles(done["rank"], done["step"], tuple(done["files"]))
 
     def _checkpoint_writes(
         self,
@@ -148,7 +159,7 @@ class WorkerStateMixin:
 
     def _lora_record(self) -> bytes:
         """``lora.json`` of this run: the base's digest is taken once, when first saved."""
-        if getattr(self, "_base_digest", None) is None:
+        if self._base_digest is None:
             self._base_digest = weights_digest(self.policy.model.hf_path)
         lora = self.policy.lora
         return base_record(
@@ -165,11 +176,11 @@ class WorkerStateMixin:
         *,
         rng_path: str | None = None,
         _otel_carrier: dict | None = None,
-    ) -> dict[str, Any]:
+    ) -> CheckpointLoaded:
         """Restore weights, optionally optimizer + schedule, and this rank's RNG state."""
         if self.replica.step_open:
             raise RuntimeError(f"rank {self.rank}: cannot load while a train step is open")
-        self._writes.wait_copied()  # a checkpoint being written still reads the old values
+        self.writes.wait_copied()  # a checkpoint being written still reads the old values
         rng_dir = rng_path or _default_rng_dir(weights_path)
         rng_file = os.path.join(rng_dir, ckpt.rng_file(self.rank))
         rng_state = ckpt.load_torch(rng_file, "RNG state") if os.path.isdir(rng_dir) else None
@@ -190,7 +201,7 @@ class WorkerStateMixin:
             if optimizer_path is not None:
                 path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
                 self.replica.load_optimizer_state(ckpt.load_torch(path, "optimizer state"))
-        return {"rank": self.rank, "step": self.replica.steps_done, "rng": rng_state is not None}
+        return CheckpointLoaded(self.rank, self.replica.steps_done, rng_state is not None)
 
     # ----------------------------------------------------------------- inspection
     def get_weights(

@@ -10,6 +10,7 @@ import torch
 
 from sft_runtime.runtime.policy.loss import NLLLossFn
 from sft_runtime.runtime.policy.model import TinyTransformer
+from sft_runtime.runtime.policy.results import StepFinished, StepStarted
 from sft_runtime.runtime.policy.schedule import lr_at
 from tests.support import sources
 
@@ -29,12 +30,20 @@ def factories(world: int) -> list:
     ]
 
 
-def one_step(group: Any) -> list[dict]:
-    """One controller-style step: load, begin/train/finish, commit."""
-    group.load_batches()
-    results = group.run_train_step(NLLLossFn())
+def one_step(group: Any) -> list[StepFinished]:
+    """One step through the runtime's calls: the start and the finish sent back to back (as
+    the controller sends them), then the batch's commit; each rank's finish."""
+    started = group.send_start(NLLLossFn(), False)
+    finished = group.send_finish()
+    group.wait(started)
+    results = group.wait(finished)
     group.commit_batches()
     return results
+
+
+def start_step(group: Any, loss_fn: Any = None) -> list[StepStarted]:
+    """A step up to its gradients, left open (finish it, or abort it and its batch)."""
+    return group.wait(group.send_start(loss_fn or NLLLossFn(), False))
 
 
 def reference_losses(policy, steps: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -20,13 +20,13 @@ from sft_runtime.runtime.checkpoint.policy_files import load_weights
 from sft_runtime.runtime.checkpoint.sharded import TRAINER_STATE, is_sharded
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.group import PolicyWorkerError, PolicyWorkerGroup
-from sft_runtime.runtime.policy.loss import NLLLossFn
 from tests.support import sources
 from tests.support.policy_steps import (
     assert_tree_equal,
     factories,
     one_step,
     reference_losses,
+    start_step,
 )
 
 STEPS, SAVE_AT, WORLD = 10, 5, 2
@@ -46,11 +46,9 @@ def sharded(ray_session, fsdp_policy, cluster_cfg, tmp_path_factory):
     try:
         group.setup_loaders(factories(WORLD))
         group.prepare_for_training()
-        group.load_batches()
-        group.begin_train_step(NLLLossFn())
-        group.train_step()
+        start_step(group)
         storage_in_step = group.local_storage()
-        steps = [group.finish_train_step()]
+        steps = [group.wait(group.send_finish())]
         group.commit_batches()
         storage_after = group.local_storage()
         for step in range(2, STEPS + 1):
@@ -74,12 +72,12 @@ def sharded(ray_session, fsdp_policy, cluster_cfg, tmp_path_factory):
 
 def test_sharded_training_matches_the_unsharded_ground_truth(sharded, policy_cfg):
     ref_losses, ref_weights = reference_losses(policy_cfg, STEPS, WORLD)
-    losses = [s[0]["loss"] for s in sharded["steps"]]
+    losses = [s[0].loss for s in sharded["steps"]]
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=0)
     for rank_steps in sharded["steps"]:  # every rank reports the same global figures
-        assert rank_steps[0]["loss"] == rank_steps[1]["loss"]
-        assert rank_steps[0]["grad_norm"] == rank_steps[1]["grad_norm"]
-        assert 0 < rank_steps[0]["grad_norm"] < 100
+        assert rank_steps[0].loss == rank_steps[1].loss
+        assert rank_steps[0].grad_norm == rank_steps[1].grad_norm
+        assert 0 < rank_steps[0].grad_norm < 100
     w0, w1 = sharded["weights"]
     assert sorted(w0) == sorted(ref_weights)
     for name, ref in ref_weights.items():
@@ -127,10 +125,8 @@ def test_resume_from_the_sharded_checkpoint_is_bitwise_exact(
         weights = group.get_weights()[0]
     finally:
         group.shutdown()
-    assert [s[0]["loss"] for s in steps] == [s[0]["loss"] for s in sharded["steps"][SAVE_AT:]]
-    assert [s[0]["grad_norm"] for s in steps] == [
-        s[0]["grad_norm"] for s in sharded["steps"][SAVE_AT:]
-    ]
+    assert [s[0].loss for s in steps] == [s[0].loss for s in sharded["steps"][SAVE_AT:]]
+    assert [s[0].grad_norm for s in steps] == [s[0].grad_norm for s in sharded["steps"][SAVE_AT:]]
     want = sharded["weights"][0]
     assert all(torch.equal(weights[k], want[k]) for k in want)
     # an unsharded group refuses the sharded files instead of misreading them
@@ -141,9 +137,7 @@ def test_resume_from_the_sharded_checkpoint_is_bitwise_exact(
 def test_abort_and_a_failing_loss_leave_the_shards_bitwise_unchanged(sharded):
     group = sharded["group"]
     before_w, before_o = group.get_weights(), group.get_optimizer_state()
-    envelopes = group.load_batches()
-    group.begin_train_step(NLLLossFn())
-    group.train_step()
+    envelopes = [o.envelope for o in start_step(group)]
     group.abort_train_step()
     group.abort_batches()
     # a loss that raises on rank 1 after its forward: both ranks fail the start together
@@ -163,10 +157,10 @@ def test_abort_and_a_failing_loss_leave_the_shards_bitwise_unchanged(sharded):
     for b, a in zip(before_o, after_o, strict=True):
         assert_tree_equal(b, a)
     # the aborted batch comes again and trains normally
-    assert group.load_batches()[0].source_ids == envelopes[0].source_ids
-    results = group.run_train_step(NLLLossFn())
+    assert start_step(group)[0].envelope.source_ids == envelopes[0].source_ids
+    results = group.wait(group.send_finish())
     group.commit_batches()
-    assert results[0]["step"] == STEPS + 1 and math.isfinite(results[0]["loss"])
+    assert results[0].step == STEPS + 1 and math.isfinite(results[0].loss)
 
 
 def test_a_replicate_by_shard_mesh_trains_like_the_ground_truth(
@@ -185,5 +179,5 @@ def test_a_replicate_by_shard_mesh_trains_like_the_ground_truth(
     finally:
         group.shutdown()
     ref_losses, _ = reference_losses(policy_cfg, 3, WORLD)
-    assert [s[0]["loss"] for s in steps] == pytest.approx(ref_losses, rel=1e-5, abs=0)
+    assert [s[0].loss for s in steps] == pytest.approx(ref_losses, rel=1e-5, abs=0)
     assert all(s["params_local"] == s["params_full"] for s in storage)  # replicated, not split

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from tests.support.policy_steps import (
     factories,
     one_step,
     reference_losses,
+    start_step,
 )
 
 STEPS, SAVE_AT, WORLD = 10, 5, 2
@@ -85,20 +87,22 @@ def resumed(straight, policy_cfg, cluster_cfg):
 
 def test_dp_training_equals_single_process(straight, policy_cfg):
     ref_losses, ref_weights = reference_losses(policy_cfg, STEPS, WORLD)
-    losses = [s[0]["loss"] for s in straight["steps"]]
+    losses = [s[0].loss for s in straight["steps"]]
     assert losses == pytest.approx(ref_losses, rel=1e-6, abs=0)
     for name, ref in ref_weights.items():
         torch.testing.assert_close(straight["weights"][0][name], ref, rtol=1e-5, atol=1e-6)
     first = straight["steps"][0][0]
-    assert first["valid_tokens"] == sum(s["local_valid_tokens"] for s in straight["steps"][0])
-    assert len(first["micro_batches"]) == sources.ROWS_PER_RANK // policy_cfg.train_micro_batch_size
-    assert {"forward_backward_s", "allreduce_s", "optimizer_s", "grad_norm", "lr"} <= set(first)
+    assert first.valid_tokens == sum(s.local_valid_tokens for s in straight["steps"][0])
+    assert len(first.micro_batches) == sources.ROWS_PER_RANK // policy_cfg.train_micro_batch_size
+    assert {"forward_backward_s", "allreduce_s", "optimizer_s", "grad_norm", "lr"} <= set(
+        asdict(first)
+    )
 
 
 def test_replicas_stay_bitwise_identical(straight):
     for rank_steps in straight["steps"]:
-        assert rank_steps[0]["loss"] == rank_steps[1]["loss"]
-        assert rank_steps[0]["grad_norm"] == rank_steps[1]["grad_norm"]
+        assert rank_steps[0].loss == rank_steps[1].loss
+        assert rank_steps[0].grad_norm == rank_steps[1].grad_norm
     w0, w1 = straight["weights"]
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     o0, o1 = straight["optimizer"]
@@ -118,8 +122,8 @@ def test_checkpoint_files_load_with_weights_only(straight):
 
 
 def test_resume_from_step_5_is_bitwise_exact(straight, resumed):
-    want = [s[0]["loss"] for s in straight["steps"][SAVE_AT:]]
-    got = [s[0]["loss"] for s in resumed["steps"]]
+    want = [s[0].loss for s in straight["steps"][SAVE_AT:]]
+    got = [s[0].loss for s in resumed["steps"]]
     assert got == want  # exact float equality, every step
     for rank in range(WORLD):
         w_straight, w_resumed = straight["weights"][rank], resumed["weights"][rank]
@@ -129,19 +133,17 @@ def test_resume_from_step_5_is_bitwise_exact(straight, resumed):
 def test_abort_leaves_weights_and_optimizer_bitwise_unchanged(straight):
     group = straight["group"]
     before_w, before_o = group.get_weights(), group.get_optimizer_state()
-    envelopes = group.load_batches()
-    group.begin_train_step(NLLLossFn())
-    group.train_step()
+    envelopes = [o.envelope for o in start_step(group)]
     group.abort_train_step()
     group.abort_batches()
     after_w, after_o = group.get_weights(), group.get_optimizer_state()
     for b, a in zip(before_w + before_o, after_w + after_o, strict=True):
         assert_tree_equal(b, a)
     # the aborted batch is delivered again and trains normally
-    assert group.load_batches()[0].source_ids == envelopes[0].source_ids
-    results = group.run_train_step(NLLLossFn())
+    assert start_step(group)[0].envelope.source_ids == envelopes[0].source_ids
+    results = group.wait(group.send_finish())
     group.commit_batches()
-    assert results[0]["step"] == STEPS + 1
+    assert results[0].step == STEPS + 1
 
 
 def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight):
@@ -170,7 +172,8 @@ def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight
     for b, a in zip(before_w, group.get_weights(), strict=True):
         assert_tree_equal(b, a)
     # step, then the next start queued behind its finish (committing its batch): one wait
-    envelopes = group.load_batches()
+    envelopes = [o.envelope for o in start_step(group)]
+    group.abort_train_step()
     group.abort_batches()
     refs = group.send_start(NLLLossFn(), False)
     refs += group.send_finish()
@@ -179,9 +182,9 @@ def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight
     first, done1, second, done2 = (
         group.wait(refs)[i : i + WORLD] for i in range(0, 4 * WORLD, WORLD)
     )
-    assert [o["envelope"].source_ids for o in first] == [e.source_ids for e in envelopes]
-    assert second[0]["envelope"].source_ids != first[0]["envelope"].source_ids
-    assert done2[0]["step"] == done1[0]["step"] + 1
+    assert [o.envelope.source_ids for o in first] == [e.source_ids for e in envelopes]
+    assert second[0].envelope.source_ids != first[0].envelope.source_ids
+    assert done2[0].step == done1[0].step + 1
     group.commit_batches()
 
 
@@ -201,8 +204,8 @@ def test_a_background_checkpoint_holds_its_step_while_the_next_step_trains(strai
     )
     moved_on = one_step(group)  # queued behind begin_checkpoint, not behind the writes
     results = group.wait(written)
-    assert [r["step"] for r in results] == [moved_on[0]["step"] - 1] * WORLD
-    files = sorted(Path(f).relative_to(background) for r in results for f in r["files"])
+    assert [r.step for r in results] == [moved_on[0].step - 1] * WORLD
+    files = sorted(Path(f).relative_to(background) for r in results for f in r.files)
     assert files == sorted(p.relative_to(sync) for p in sync.rglob("*") if p.is_file())
     for name in files:
         a, b = sync / name, background / name
@@ -251,9 +254,7 @@ def test_unplaceable_group_fails_naming_the_resources(ray_session, policy_cfg, c
 
 def test_dead_worker_fails_the_step_and_shutdown_cleans_up(resumed):
     group = resumed["group"]
-    group.load_batches()
-    group.begin_train_step(NLLLossFn())
-    group.train_step()
+    start_step(group)
     # rank 0 enters the gradient all-reduce, then its peer dies mid-step
     pending = group.send_finish(ranks=[0])
     ray.kill(group.workers[1], no_restart=True)

@@ -19,6 +19,7 @@ from sft_runtime.runtime.data.placement import build_placement_plan
 from sft_runtime.runtime.launch.setup import SFTV2ActorArgs
 from sft_runtime.runtime.policy.calls import Pending, WorkerCalls
 from sft_runtime.runtime.policy.group import PolicyWorkerError
+from sft_runtime.runtime.policy.results import StepFinished, StepStarted
 from sft_runtime.states import SFTV2SaveState
 from tests.support.small_run import small_config
 
@@ -37,9 +38,9 @@ class StubGroup(WorkerCalls):
     def _answer(self, method: str, rank: int):
         if method == "start_sft_step":
             envelope = StepEnvelope(rank, 2, [f"s{rank}"], ["input_ids"], [10], 0.001, 9, 1)
-            return {"envelope": envelope, "begin_s": 0.0, "forward_backward_s": 0.01}
+            return StepStarted(envelope, begin_s=0.0, forward_backward_s=0.01, started_ns=0)
         if method == "finish_train_step":
-            return {"loss": 2.0, "grad_norm": 1.0, "lr": 0.1, "valid_tokens": 18}
+            return StepFinished(2.0, 1.0, 0.1, 18, 9, [], 0.01, 0.0, 0.0, step=1)
         if method == "sft_dataloader_state_bytes":
             return f"state of rank {rank}".encode()
         return None

@@ -162,6 +162,6 @@ def test_a_bf16_stored_model_trains_in_the_configured_precision(tmp_path, precis
     replica.train(batch)
     out = replica.finish()
     after = replica.weights()
-    assert out["step"] == 1 and out["loss"] > 0 and out["grad_norm"] > 0
+    assert out.step == 1 and out.loss > 0 and out.grad_norm > 0
     assert {t.dtype for t in after.values()} == {torch.float32}
     assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -179,8 +179,8 @@ def test_replica_step_in_one_process(precision):
     replica.begin(None, lambda: batch)
     replica.train(batch)
     out = replica.finish()
-    assert math.isfinite(out["loss"]) and out["valid_tokens"] == batch.loss_mask[:, 1:].sum()
-    assert out["step"] == 1 and len(out["micro_batches"]) == 2
+    assert math.isfinite(out.loss) and out.valid_tokens == batch.loss_mask[:, 1:].sum()
+    assert out.step == 1 and len(out.micro_batches) == 2
     assert not torch.equal(before["head.weight"], replica.weights()["head.weight"])
 
 
@@ -213,13 +213,13 @@ def test_tensor_and_float_metrics_give_the_same_step_as_floats():
         outs.append(replica.finish())
         weights.append(replica.weights())
     tensor_out, float_out = outs
-    assert len(tensor_out["micro_batches"]) == 3
-    assert tensor_out["loss"] == float_out["loss"]  # same float64 sum of the same nll sums
-    expected = sum(mb["nll_sum"] for mb in float_out["micro_batches"]) / outs[0]["valid_tokens"]
-    assert tensor_out["loss"] == pytest.approx(expected, rel=1e-6)
+    assert len(tensor_out.micro_batches) == 3
+    assert tensor_out.loss == float_out.loss  # same float64 sum of the same nll sums
+    expected = sum(mb["nll_sum"] for mb in float_out.micro_batches) / outs[0].valid_tokens
+    assert tensor_out.loss == pytest.approx(expected, rel=1e-6)
     for key in ("nll_sum", "valid_tokens", "loss"):
-        assert [mb[key] for mb in tensor_out["micro_batches"]] == [
-            mb[key] for mb in float_out["micro_batches"]
+        assert [mb[key] for mb in tensor_out.micro_batches] == [
+            mb[key] for mb in float_out.micro_batches
         ]
     assert all(torch.equal(weights[0][k], v) for k, v in weights[1].items())
 

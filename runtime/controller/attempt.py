@@ -1,0 +1,128 @@
+"""How a controller opens an attempt, undoes a failed step and ends the attempt.
+
+An attempt opens (`open_attempt`) by taking the run's log (fenced against another writer),
+building the machine on the save state replay gave, and recording ``run_started``.
+
+A failed step (`undo_step`) is undone in the workers, the start sent ahead with it too, and
+recorded as ``step_aborted``, so the run can go on or resume as if it never began.
+
+An attempt ends (`end_attempt`) in order: the loaders closed after their last commit, the
+workers' and this process's spans flushed against one shutdown deadline, the machine closed
+and ``run_stopped`` recorded. Every cleanup step only warns when it fails (`quietly`), so the
+error that ended the run is the one reported. Each takes what it acts on as arguments: the
+controller's loop owns the state, these own the order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+
+from sft_runtime.events import open_log
+from sft_runtime.runtime.config import MasterConfig, step_rules
+from sft_runtime.runtime.errors import quietly
+from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
+from sft_runtime.runtime.process.faults import fault_point
+from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, fold
+from sft_runtime.traces.context import inject_carrier, span_ids
+
+
+def open_attempt(
+    config: MasterConfig, args: Any, run_dir: Path, *, max_steps: int
+) -> tuple[Any, ControllerModel, MetricsLogger]:
+    """(the log, the machine in ``setup`` after ``run_started``, the metrics logger) of a new
+    attempt; ``args`` are the actor's (`SFTV2ActorArgs`: the driver, save state, plan)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cluster = args.train_cluster
+    owner = {k: cluster[k] for k in ("driver_pid", "driver_host") if k in cluster}
+    log = open_log(run_dir, owner=owner)
+    state = args.save_state
+    model = ControllerModel(step_rules(config, now=time.time()), log=log, save_state=state)
+    metrics = MetricsLogger.for_run(config.logger, run_dir, first_step=state.total_steps + 1)
+    model.start(
+        event=fold.run_started_event(
+            state,
+            max_steps=max_steps,
+            logical_world_size=args.placement_plan.logical_world_size,
+            node_ids=cluster.get("node_ids", []),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+    )
+    return log, model, metrics
+
+
+def undo_step(
+    exc: BaseException, in_flight: StepInFlight, *, calls: Any, group: Any, model: ControllerModel
+) -> None:
+    """Undo what the step opened (`StepCalls` ``calls``, on the worker ``group``), then record
+    ``step_aborted`` through ``model``; cleanup failures only warn."""
+    phase = in_flight.failed_phase(exc)
+    quietly("wait for the step's calls", calls.settle)
+    policy_open, batch_active = in_flight.policy_open, in_flight.batch_active
+    if calls.has_ahead:  # a start sent ahead is undone with this step
+        policy_open = batch_active = True
+        quietly("discard the step started ahead", calls.drop_ahead)
+    if policy_open:
+        quietly("abort the policy step", lambda: group.abort_train_step(carrier=inject_carrier()))
+    if batch_active:
+        quietly("abort the loader batches", lambda: group.abort_batches(carrier=inject_carrier()))
+    span = span_ids(trace.get_current_span())
+    quietly(
+        "record step_aborted",
+        lambda: model.fail(error=exc, phase=phase.value, trace_id=span[0], span_id=span[1]),
+    )
+
+
+def end_attempt(
+    reason: str,
+    error: BaseException | None,
+    *,
+    close_loaders: Callable[[], None],
+    group: Any,
+    flush_bound_s: float,
+    metrics: Any,
+    model: ControllerModel | None,
+    log: Any,
+    attempt: int | None,
+) -> float:
+    """Teardown in order: loaders, the workers' spans, logger, machine; then run_stopped.
+    Returns the shutdown deadline (a ``time.time()``) the workers flushed against, which
+    this process and the driver keep too: a dead collector costs the run
+    ``flush_bound_s`` once."""
+    quietly("close the loaders", close_loaders)
+    flush_by = time.time() + flush_bound_s
+    quietly(
+        "export the workers' spans",
+        lambda: group.flush_telemetry(deadline=flush_by, carrier=inject_carrier()),
+    )
+    if metrics is not None:
+        quietly("close the metrics logger", metrics.close)
+    if model is not None and log is not None:
+        if model.state in (ControllerState.setup, ControllerState.loading):
+            quietly("close the machine", model.close)
+        elif model.state is ControllerState.saving:
+            quietly("close the machine", lambda: model.fail(error=error))
+        if model.state is ControllerState.closing:
+            step = model.save_state.total_steps
+            fault_point("closing:before_stop", step=step, attempt=attempt)
+            msg = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+            quietly("record run_stopped", lambda: model.finish(reason=reason, error=msg))
+    if log is not None:
+        log.close()
+    return flush_by
+
+
+def end_reason(model: ControllerModel, *, stopping: bool) -> str:
+    """Why an attempt that raised nothing ended: interrupted, completed or timeout."""
+    if stopping:
+        return "interrupted"
+    if model.rules.budget_reached(model.save_state):
+        return "completed"
+    return "timeout" if model.save_by_timeout() else "completed"

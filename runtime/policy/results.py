@@ -1,0 +1,78 @@
+"""What a policy worker answers across Ray: small frozen records with named fields.
+
+A result read by position or by a string key breaks silently when one side renames a field;
+a dataclass breaks where it is read, with the name in the error, and pickles as small as the
+dict it replaces. Every field is plain data (floats, ints, strings, the loader's
+`StepEnvelope`), so nothing here pulls torch into the controller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sft_runtime.runtime.data.batch import StepEnvelope
+
+
+@dataclass(frozen=True)
+class StepStarted:
+    """`start_sft_step`: the batch this rank loaded and trained on, up to its gradients."""
+
+    envelope: StepEnvelope
+    begin_s: float  # the supervised-token all-reduce
+    forward_backward_s: float
+    started_ns: int  # when the call began in the worker (a start sent ahead waits there)
+
+
+@dataclass(frozen=True)
+class StepFinished:
+    """`finish_train_step`: the step's global loss and what this rank measured of it."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    valid_tokens: int  # supervised tokens of the global batch
+    local_valid_tokens: int
+    micro_batches: list[dict[str, Any]]  # the loss function's metrics, one dict each
+    forward_backward_s: float
+    allreduce_s: float
+    optimizer_s: float
+    step: int  # steps done, this one included
+
+
+@dataclass(frozen=True)
+class StepUndone:
+    """`abort_train_step`: whether a step was open, and the steps done (unchanged)."""
+
+    aborted: bool
+    step: int
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """`save_checkpoint` / `checkpoint_written`: the files this rank wrote, durable."""
+
+    rank: int
+    step: int
+    files: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class CheckpointLoaded:
+    """`load_checkpoint`: the step the replica now stands at, and whether RNG came with it."""
+
+    rank: int
+    step: int
+    rng: bool
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """`validate`: this rank's part of a validation pass, summed so ranks weigh by tokens."""
+
+    nll_sum: float
+    tokens: int
+    samples: int
+    total: int  # samples in the whole pass
+    source_ids: list[str]
+    seconds: float
