@@ -21,7 +21,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,13 @@ if not __package__:  # run as a script: make `bench` importable
 # and prints its rows; its figures mean nothing and no target is enforced. Read here only.
 SMOKE_ENV = "SFT_BENCH_SMOKE"
 SMOKE = os.environ.get(SMOKE_ENV) == "1"
+# Smoke mode only: the Ray that a benchmark's runs share (`shared_ray`: the one
+# `run_all.py --smoke` starts for all its benchmarks, or a benchmark's own), its GCS address
+# and the pid of the process that started it. A Ray start costs a 2-core machine several
+# seconds of CPU, and a smoke run would otherwise pay it a dozen times (once per benchmark,
+# once more per `sft-runtime train` a benchmark launches).
+SHARED_RAY_ENV = "SFT_BENCH_SHARED_RAY"
+SHARED_RAY_PID_ENV = "SFT_BENCH_SHARED_RAY_PID"
 
 
 def pick(full, smoke):
@@ -52,20 +59,25 @@ OVERHEAD_TARGET = 1.10
 RESUME_TARGET = 1.2
 CLI = Path(sys.executable).parent / "sft-runtime"
 
-# (a) compute-bound: a model big enough that loading is small next to a step
+# (a) compute-bound: a model big enough that loading is small next to a step (smoke: a
+# smaller one, the same rows and micro-batches)
 COMPUTE = {
-    "model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_seq_len": 128},
+    "model": pick(
+        {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_seq_len": 128},
+        {"d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 128},
+    ),
     "seq": 128,
     "global_batch": 16,
     "micro": 4,
     "packing": False,
 }
-# (b) loading-heavy: a tiny model on long packed rows (many samples tokenized per row)
+# (b) loading-heavy: a tiny model on long packed rows (many samples tokenized per row;
+# smoke: half the rows, in as many micro-batches)
 LOADING = {
     "model": {"d_model": 16, "n_layers": 1, "n_heads": 1, "max_seq_len": 256},
     "seq": 256,
-    "global_batch": 32,
-    "micro": 16,
+    "global_batch": pick(32, 16),
+    "micro": pick(16, 8),
     "packing": True,
 }
 
@@ -214,22 +226,22 @@ def cli_run(config_path: Path, run_dir: Path) -> dict:
     and the peak RSS (MiB) of the driver, the controller and the workers it started."""
     import psutil
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env["RAY_AUTH_MODE"] = "disabled"
     before = len(committed(run_dir)) if (run_dir / "events.jsonl").exists() else 0
     start = time.time()
     proc = subprocess.Popen(
         [str(CLI), "train", str(config_path), "--run-dir", str(run_dir)],
-        env=env,
+        env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     peaks: dict[str, int] = {}
-    driver = psutil.Process(proc.pid)
+    # a run that joins the shared Ray places its controller and workers under that Ray's
+    # raylet, not under its own driver
+    tree = ray_root() if shared_ray_address() else psutil.Process(proc.pid)
     while proc.poll() is None:
         peaks["driver"] = max(peaks.get("driver", 0), _hwm_kib(proc.pid))
         try:
-            children = driver.children(recursive=True)
+            children = tree.children(recursive=True)
         except psutil.Error:
             children = []
         for child in children:
@@ -246,9 +258,76 @@ def cli_run(config_path: Path, run_dir: Path) -> dict:
     return {"first_step_s": records[0].time - start, "rss": rss}
 
 
+def cli_env(*drop: str) -> dict[str, str]:
+    """The environment of an `sft-runtime` child: no Ray address from outside (the run
+    starts its own Ray, as a user's does), except in smoke mode the Ray the benchmark's runs
+    share (`shared_ray`), which it joins as a user joins a cluster (``RAY_ADDRESS``);
+    variables starting with ``drop`` left out too."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", *drop))}
+    env["RAY_AUTH_MODE"] = "disabled"
+    address = shared_ray_address()
+    if address:
+        env["RAY_ADDRESS"] = address
+    return env
+
+
 # ------------------------------------------------------------------ the benchmark
-def ray_up(temp_dir: Path) -> None:
-    """A local Ray for a benchmark, its session files under ``temp_dir``."""
+@contextmanager
+def _environ(**values: str | None) -> Iterator[None]:
+    """``os.environ`` with these values for the block (None: unset), as it was after it."""
+
+    def put(key: str, value: str | None) -> None:
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+    saved = {key: os.environ.get(key) for key in values}
+    try:
+        for key, value in values.items():
+            put(key, value)
+        yield
+    finally:
+        for key, value in saved.items():
+            put(key, value)
+
+
+def shared_ray_address() -> str | None:
+    """The GCS address of the Ray this benchmark's runs share in smoke mode (`shared_ray`),
+    None when they start their own."""
+    return os.environ.get(SHARED_RAY_ENV) if SMOKE else None
+
+
+def ray_root():
+    """The process whose descendants are this benchmark's Ray processes (raylet, workers,
+    controllers): the one that started the shared Ray in smoke mode, else this one."""
+    import psutil
+
+    pid = os.environ.get(SHARED_RAY_PID_ENV) if shared_ray_address() else None
+    return psutil.Process(int(pid) if pid else os.getpid())
+
+
+@contextmanager
+def shared_ray(temp_dir: Path) -> Iterator[None]:
+    """Smoke mode: a local Ray (session files under ``temp_dir``) that every run started
+    from this process or its children joins (`workspace`, `ray_up`, `cli_env`) instead of
+    starting its own. Its workers begin at niceness 0, as the runtime's embedded Ray starts
+    them, so that their imports are not starved where something else runs."""
+    import ray
+
+    niceness = os.environ.get("RAY_worker_niceness", "0")
+    hidden = {SHARED_RAY_ENV: None, SHARED_RAY_PID_ENV: None}  # not the one of a caller
+    with _environ(**hidden, RAY_worker_niceness=niceness):  # read by the raylet
+        _local_ray(temp_dir)
+        try:
+            address = ray.get_runtime_context().gcs_address
+            with _environ(**{SHARED_RAY_ENV: address, SHARED_RAY_PID_ENV: str(os.getpid())}):
+                yield
+        finally:
+            ray.shutdown()
+
+
+def _local_ray(temp_dir: Path) -> None:
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -260,6 +339,19 @@ def ray_up(temp_dir: Path) -> None:
         log_to_driver=False,
         _temp_dir=str(temp_dir),
     )
+
+
+def ray_up(temp_dir: Path) -> None:
+    """A local Ray for a benchmark, its session files under ``temp_dir``; in smoke mode,
+    a connection to the Ray its runs share (`shared_ray`) when there is one."""
+    import ray
+
+    address = shared_ray_address()
+    if address is None:
+        _local_ray(temp_dir)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 
 
 def row(name, value, unit, reference=None, target=None, ok=None, ratio=None) -> dict:
@@ -276,31 +368,46 @@ def row(name, value, unit, reference=None, target=None, ok=None, ratio=None) -> 
     }
 
 
+def _ray_down() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @contextmanager
-def workspace(*, ray: bool = True, samples: int = SAMPLES) -> Iterator[tuple[Path, Path]]:
-    """(data set, scratch folder) for one benchmark; Ray started here when ``ray``."""
+def workspace(
+    *, ray: bool = True, samples: int = SAMPLES, own_ray: bool = False
+) -> Iterator[tuple[Path, Path]]:
+    """(data set, scratch folder) for one benchmark; Ray started here when ``ray``.
+
+    In smoke mode every run of the benchmark, in this process or launched from it, joins
+    one Ray: the one `run_all.py --smoke` shares, or with ``own_ray`` one started here
+    (``ray`` or not), for a benchmark that looks for its runs' processes under `ray_root`,
+    where those of a benchmark beside it must not be.
+    """
+    import ray as ray_module
+
     from sft_runtime.runtime.data.demo import build_demo_dataset
 
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
-    # any Ray started meanwhile (here, by a run, by an `sft-runtime train` child) keeps its
-    # session files in there too, and they go with it: nothing shared in /tmp/ray
-    before = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = str(tmp / "ray")
     try:
-        data = build_demo_dataset(tmp / "data", num_samples=samples, seed=0)
-        if ray:
-            ray_up(tmp / "ray")
-        yield data, tmp
+        with ExitStack() as stack:
+            # any Ray started meanwhile (here, by a run, by an `sft-runtime train` child)
+            # keeps its session files in there too, and they go with it: nothing in /tmp/ray
+            stack.enter_context(_environ(RAY_TMPDIR=str(tmp / "ray")))
+            if SMOKE and own_ray:
+                stack.enter_context(shared_ray(tmp / "ray"))
+            address = shared_ray_address()
+            if address:  # a run in this process joins it too (`ensure_ray` reads this)
+                stack.enter_context(_environ(RAY_ADDRESS=address))
+            stack.callback(_ray_down)
+            data = build_demo_dataset(tmp / "data", num_samples=samples, seed=0)
+            if ray and not ray_module.is_initialized():
+                ray_up(tmp / "ray")
+            yield data, tmp
     finally:
-        import ray as ray_module
-
-        if ray_module.is_initialized():
-            ray_module.shutdown()
-        if before is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = before
         shutil.rmtree(tmp, ignore_errors=True)
 
 

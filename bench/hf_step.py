@@ -71,6 +71,10 @@ SHAPE = {**h.COMPUTE, "packing": False}  # the plain HF forward takes one sample
 # Two forwards that differ only in how they mask padding differ by float rounding at most.
 LOSS_TOLERANCE = 1e-4
 BUSY_ROUNDS = h.pick(2, 1)
+# Full: each runtime run, and each run beside a busy core, is judged against plain runs of
+# its own just before and just after it, since the machine drifts. Smoke: the first plain
+# run stands for all of those (each is a process of its own, and smoke figures mean nothing).
+FRESH_REFERENCES = h.pick(True, False)
 TURN_ROUNDS = h.pick(10, 1)  # even: each side goes first on the batches in half of them
 # A loader's work without the loader: the model's tokenizer renders and tokenizes a chat over
 # and over, in a process of its own, until it is killed.
@@ -116,7 +120,8 @@ def raw_config(data: Path, model: Path, run_dir: Path, workers: int = 1, prefetc
 
 def run() -> list[dict]:
     """sft-runtime vs the plain transformers loop: plain, runtime, plain, inline, plain, ..."""
-    with h.workspace() as (data, tmp):
+    # own_ray: the turns freeze the run's processes, found under this one (`h.ray_root`)
+    with h.workspace(own_ray=True) as (data, tmp):
         return _hf_step(data, tmp)
 
 
@@ -131,13 +136,19 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
         plain_losses.append(out["losses"])
         return h.step_time(out["times"])
 
+    first = plain()
+
+    def reference() -> float:
+        """The step time of a quiet plain run: a new one, or the first (`FRESH_REFERENCES`)."""
+        return plain() if FRESH_REFERENCES else first
+
     ref, sub, ratios, extra, diffs, shares, saves = [], [], [], [], [], [], []
     inline, inline_ratios, load, work, inline_work = [], [], [], [], []
-    before = plain()
+    before = first
     for i in range(ROUNDS):
         raw = raw_config(data, model, tmp / f"run-{i}")
         ours = h.runtime_run(raw)
-        t_sub, between = h.step_time(ours["times"]), plain()
+        t_sub, between = h.step_time(ours["times"]), reference()
         t_ref = (before + between) / 2  # the plain loop just before and just after
         ref.append(t_ref)
         sub.append(t_sub)
@@ -152,7 +163,7 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
         # loading inline: the worker renders and tokenizes each batch before it trains on it
         alone = h.runtime_run(raw_config(data, model, tmp / f"inline-{i}", workers=0, prefetch=1))
         inline.append(h.step_time(alone["times"]))
-        before = plain()
+        before = reference()
         inline_ratios.append(inline[-1] / ((between + before) / 2))
         inline_work.append(statistics.mean(alone["model_work"][h.WARMUP :]) / t_ref)
         load.append(statistics.median(alone["load"][h.WARMUP :]))
@@ -183,7 +194,7 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
     for _ in range(BUSY_ROUNDS):
         with other_core_busy(model):
             t_busy = plain()
-        after = plain()
+        after = reference()
         contention.append(t_busy / ((before + after) / 2))
         before = after
     ratio, t_ref, t_sub = statistics.median(ratios), statistics.median(ref), statistics.median(sub)

@@ -87,7 +87,8 @@ class RuntimeTurns:
         import psutil
 
         if not self._pids:  # the run's processes are all up by its first commit: scan once
-            for proc in psutil.process_iter():
+            # under this benchmark's Ray only: a machine may run other trainings
+            for proc in h.ray_root().children(recursive=True):
                 if h._role(proc) is not None:
                     self._pids.append(proc.pid)
                     self._pids.extend(child.pid for child in proc.children(recursive=True))

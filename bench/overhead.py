@@ -18,6 +18,9 @@ if not __package__:  # run as a script: make `bench` importable
 from bench import harness as h  # noqa: E402
 from bench.plain_loop import plain_run, pretokenize  # noqa: E402
 
+# DP workers (smoke: one; DP=2 runs in prefetch.py, resume.py and load_memory.py)
+WORLD = h.pick(2, 1)
+
 
 def run() -> list[dict]:
     """sft-runtime (read-ahead off and on) vs the plain loop, h.OVERHEAD_ROUNDS rounds."""
@@ -26,15 +29,16 @@ def run() -> list[dict]:
 
 
 def _overhead(data: Path, tmp: Path) -> list[dict]:
-    batches = pretokenize(
-        h.raw_config(h.COMPUTE, data, tmp, h.STEPS), 2, h.STEPS, tmp / "batches.pt"
-    )
+    def raw(run_dir: Path, prefetch: int = 1) -> dict:
+        return h.raw_config(h.COMPUTE, data, run_dir, h.STEPS, WORLD, prefetch)
+
+    batches = pretokenize(raw(tmp), WORLD, h.STEPS, tmp / "batches.pt")
     ref, off, on, r_off, r_on = [], [], [], [], []
     losses = None
     for i in range(h.OVERHEAD_ROUNDS):
-        plain = plain_run(h.raw_config(h.COMPUTE, data, tmp, h.STEPS), 2, h.STEPS, batches)
-        a = h.runtime_run(h.raw_config(h.COMPUTE, data, tmp / f"a-off-{i}", h.STEPS))
-        b = h.runtime_run(h.raw_config(h.COMPUTE, data, tmp / f"a-on-{i}", h.STEPS, prefetch=2))
+        plain = plain_run(raw(tmp), WORLD, h.STEPS, batches)
+        a = h.runtime_run(raw(tmp / f"a-off-{i}"))
+        b = h.runtime_run(raw(tmp / f"a-on-{i}", prefetch=2))
         t_ref, t_off, t_on = (
             h.step_time(plain["times"]),
             h.step_time(a["times"]),

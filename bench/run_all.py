@@ -8,7 +8,11 @@ cache being written back) does not weigh on the next.
 ``--smoke`` runs every benchmark through the same code with tiny sizes, few steps and one
 round (`bench.harness.SMOKE`, set for the children through the environment), to show that
 each still runs and prints its rows; its figures mean nothing, so bench/RESULTS.md is left
-alone. Either way the exit status is 1 when a benchmark failed or gave no rows.
+alone, and it saves the machine's time where only figures would suffer: it starts one Ray
+here that the benchmarks and the `sft-runtime train` runs they launch join
+(`bench.harness.shared_ray`; a Ray start is seconds of CPU, and there would be a dozen), and
+runs two benchmarks at a time. Either way the exit status is 1 when a benchmark failed or
+gave no rows.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # energon's buffer-filling progress bars
@@ -48,34 +54,20 @@ BENCHMARKS = [
     "shutdown",
 ]
 MARK = "bench-rows: "
+# Smoke figures mean nothing, so two benchmarks may share the machine: a good part of each
+# is one process starting up (imports, a Ray actor) while the other core has nothing to do.
+SMOKE_LANES = 2
 
 
 def main(smoke: bool = False) -> int:
     if smoke:
         os.environ[harness.SMOKE_ENV] = "1"  # read by bench.harness in each child
     smoke = smoke or harness.SMOKE
-    sections, failed = [], []
-    for name in BENCHMARKS:
-        if not (ROOT / "bench" / f"{name}.py").exists():
-            continue
-        print(f"== bench/{name}.py", flush=True)
-        start = time.monotonic()
-        done = subprocess.run(
-            [sys.executable, __file__, "--one", name], stdout=subprocess.PIPE, text=True
-        )
-        took = time.monotonic() - start
-        marked = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
-        rows = json.loads(marked[-1][len(MARK) :]) if marked else []
-        if done.returncode or not rows:  # one broken benchmark must not hide the others
-            why = f"exit code {done.returncode}" if done.returncode else "no rows"
-            print(f"bench/{name}.py failed ({why}) after {took:.1f} s", flush=True)
-            failed.append(name)
-            continue
-        table = render(rows)
-        print(table, flush=True)
-        print(f"bench/{name}.py took {took:.1f} s", flush=True)
-        sections.append(f"## bench/{name}.py\n\n```\n{table}\n```\n")
-    if not smoke:
+    if smoke:
+        with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp, harness.shared_ray(Path(tmp)):
+            _, failed = run_each(SMOKE_LANES)
+    else:
+        sections, failed = run_each()
         header = (
             f"# Benchmark results\n\n"
             f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  \n"
@@ -87,6 +79,39 @@ def main(smoke: bool = False) -> int:
     if failed:
         print(f"benchmarks that failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def run_each(lanes: int = 1) -> tuple[list[str], list[str]]:
+    """Every benchmark in a fresh process, ``lanes`` of them at a time, each table printed
+    in the order of BENCHMARKS; (the RESULTS.md sections, the names of those that failed)."""
+    names = [name for name in BENCHMARKS if (ROOT / "bench" / f"{name}.py").exists()]
+    sections, failed = [], []
+    with ThreadPoolExecutor(lanes) as pool:
+        ahead = [pool.submit(_child, name) for name in names] if lanes > 1 else []
+        for i, name in enumerate(names):
+            print(f"== bench/{name}.py", flush=True)
+            done, took = ahead[i].result() if ahead else _child(name)
+            marked = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+            rows = json.loads(marked[-1][len(MARK) :]) if marked else []
+            if done.returncode or not rows:  # one broken benchmark must not hide the others
+                why = f"exit code {done.returncode}" if done.returncode else "no rows"
+                print(f"bench/{name}.py failed ({why}) after {took:.1f} s", flush=True)
+                failed.append(name)
+                continue
+            table = render(rows)
+            print(table, flush=True)
+            print(f"bench/{name}.py took {took:.1f} s", flush=True)
+            sections.append(f"## bench/{name}.py\n\n```\n{table}\n```\n")
+    return sections, failed
+
+
+def _child(name: str) -> tuple[subprocess.CompletedProcess, float]:
+    """One benchmark in a fresh process (`one`), and its wall seconds."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, __file__, "--one", name], stdout=subprocess.PIPE, text=True
+    )
+    return done, time.monotonic() - start
 
 
 def one(name: str) -> int:
