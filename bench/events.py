@@ -6,6 +6,7 @@ Run: python bench/events.py [--records 1000000] [--appends 100000] [--durable 20
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -68,6 +69,8 @@ def _replay(path: Path, steps: int) -> float:
 RECORDS = pick(1_000_000, 2_000)
 APPENDS = pick(100_000, 1_000)
 DURABLE = pick(2_000, 50)
+ROUNDS = pick(5, 1)  # interleaved rounds of bare parsing and replay
+REPLAY_TARGET = 2.5
 
 
 def run(records: int = RECORDS, appends: int = APPENDS, durable: int = DURABLE) -> list[dict]:
@@ -84,18 +87,23 @@ def run(records: int = RECORDS, appends: int = APPENDS, durable: int = DURABLE) 
         )
         _append(big_dir, records - 2, durable=False)
         path = big_dir / "events.jsonl"
-        bare = min(_bare_parse(path) for _ in range(2))
-        secs = min(_replay(path, records - 2) for _ in range(2))  # best of 2, like the reference
-        ratio = secs / bare
+        # each round times both sides back to back, so the machine's load hits them alike;
+        # the figure is the median of the rounds' ratios
+        bare, secs, ratios = [], [], []
+        for _ in range(ROUNDS):
+            bare.append(_bare_parse(path))
+            secs.append(_replay(path, records - 2))
+            ratios.append(secs[-1] / bare[-1])
+        ratio = statistics.median(ratios)
         rows.append(
             Row(
                 f"replay ({records:,} records)",
-                records / secs,
+                records / statistics.median(secs),
                 "records/s",
-                reference=records / bare,
+                reference=records / statistics.median(bare),
                 ratio=ratio,
-                target="time <= 3x bare orjson.loads",
-                ok=ratio <= 3,
+                target=f"time <= {REPLAY_TARGET}x bare orjson.loads (median of {ROUNDS})",
+                ok=ratio <= REPLAY_TARGET,
             )
         )
         rows.append(Row("log size", path.stat().st_size / 2**20, "MiB"))
