@@ -27,10 +27,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode
 
-from sft_runtime.traces.context import TRACER, attached
+from sft_runtime.traces.context import TRACER
 
 DRIVER_SPAN = "rl.sft_v2.driver"
 JOB_SPAN = "rl.sft_v2.job"
@@ -82,37 +82,60 @@ def set_attributes_lazily(span: Span, build: Callable[[], Mapping[str, Any]]) ->
         span.set_attributes(dict(build()))
 
 
-@contextmanager
-def traced(
-    name: str,
-    *,
-    carrier: dict[str, str] | None = None,
-    attributes: Mapping[str, Any] | None = None,
-    links: list[Link] | None = None,
-    root: bool = False,
-    start_time: int | None = None,
-) -> Iterator[Span]:
+class traced:  # noqa: N801 - used as a function: ``with traced(name, ...) as span``
     """A current span, under the remote caller's context when a carrier is given.
 
     Any exception escaping the body (KeyboardInterrupt too) is recorded on the span with an
     ERROR status and re-raised unchanged. ``root`` starts a new trace, ignoring both the
     carrier and the current span.
+
+    A class rather than a generator: it is entered about ten times a step in every process,
+    and the SDK's own context managers (and one of ours per concern) cost as much again as
+    the span itself.
     """
-    with attached(None if root else carrier):
-        parent = otel_context.Context() if root else None
-        with (
-            TRACER.start_as_current_span(
-                name,
-                context=parent,
-                attributes=_clean(attributes),
-                links=links,
-                start_time=start_time,
-                record_exception=False,
-                set_status_on_exception=False,
-            ) as span,
-            _errors_recorded(span),
-        ):
-            yield span
+
+    __slots__ = ("_args", "_span", "_tokens")
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        carrier: dict[str, str] | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        links: list[Link] | None = None,
+        root: bool = False,
+        start_time: int | None = None,
+    ) -> None:
+        self._args = (name, carrier, attributes, links, root, start_time)
+
+    def __enter__(self) -> Span:
+        name, carrier, attributes, links, root, start_time = self._args
+        tokens = []
+        if carrier and not root:
+            tokens.append(otel_context.attach(propagate.extract(carrier)))
+        span = TRACER.start_span(
+            name,
+            context=otel_context.Context() if root else None,
+            attributes=_clean(attributes),
+            links=links,
+            start_time=start_time,
+            record_exception=False,
+            set_status_on_exception=False,
+        )
+        tokens.append(otel_context.attach(trace.set_span_in_context(span)))
+        self._span, self._tokens = span, tokens
+        return span
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        span = self._span
+        try:
+            if exc is not None and exc_type is not GeneratorExit:
+                record_error(span, exc)
+        finally:
+            for token in reversed(self._tokens):
+                otel_context.detach(token)
+            span.end()
+        return False
 
 
 def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any] | None:
