@@ -155,11 +155,12 @@ def committed(run_dir: Path) -> list:
     return [r for r in records_in_effect(read_log(run_dir)) if r.type == "step_committed"]
 
 
-def runtime_run(raw: dict) -> dict:
-    """One sft-runtime run in this process (Ray started here); step end times and losses."""
+def runtime_run(raw: dict, on_step=None) -> dict:
+    """One sft-runtime run in this process (Ray started here); step end times and losses.
+    ``on_step`` gets each committed step's metrics row, as `run_training` hands it over."""
     from sft_runtime.runtime.launch.driver import run_training
 
-    run_training(master_config(raw))
+    run_training(master_config(raw), on_step=on_step)
     records = committed(Path(raw["logger"]["log_dir"]))
     return {
         "steps": [r.data["step"] for r in records],

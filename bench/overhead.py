@@ -3,7 +3,8 @@
 The plain loop does no loading at all (its batches are the very loader stream sft-runtime
 trains on, written beforehand), so the ratio is what the runtime adds to a step: Ray calls,
 the controller, events, spans, checkpoints. Target: sft-runtime <= 1.10x, read-ahead on and
-off; the losses must agree exactly.
+off; the losses must agree exactly. Beside the ratio: the CPU each process of the run
+takes per step (`bench.cpu_share`), where an overhead on a machine without spare cores goes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ if not __package__:  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as h  # noqa: E402
+from bench.cpu_share import CpuSampler  # noqa: E402
 from bench.plain_loop import plain_run, pretokenize  # noqa: E402
 
 # DP workers (smoke: one; DP=2 runs in prefetch.py, resume.py and load_memory.py)
@@ -33,11 +35,13 @@ def _overhead(data: Path, tmp: Path) -> list[dict]:
         return h.raw_config(h.COMPUTE, data, run_dir, h.STEPS, WORLD, prefetch)
 
     batches = pretokenize(raw(tmp), WORLD, h.STEPS, tmp / "batches.pt")
-    ref, off, on, r_off, r_on = [], [], [], [], []
+    ref, off, on, r_off, r_on, cpu = [], [], [], [], [], []
     losses = None
     for i in range(h.OVERHEAD_ROUNDS):
         plain = plain_run(raw(tmp), WORLD, h.STEPS, batches)
-        a = h.runtime_run(raw(tmp / f"a-off-{i}"))
+        sampler = CpuSampler(h.WARMUP, h.STEPS - 2)  # the last rows may come after the end
+        a = h.runtime_run(raw(tmp / f"a-off-{i}"), on_step=sampler.on_step)
+        cpu.append(sampler.per_step())
         b = h.runtime_run(raw(tmp / f"a-on-{i}", prefetch=2))
         t_ref, t_off, t_on = (
             h.step_time(plain["times"]),
@@ -80,6 +84,24 @@ def _overhead(data: Path, tmp: Path) -> list[dict]:
         *rows,
         h.row("step.overhead_per_step (sft-runtime - plain)", extra, "ms"),
         h.row("step.max_loss_diff_vs_plain", diff, "nats", None, "== 0", diff == 0.0),
+        *_cpu_rows(cpu, statistics.median(off) * ms),
+    ]
+
+
+def _cpu_rows(rounds: list[dict[str, float]], step_ms: float) -> list[dict]:
+    """CPU ms per step of each process of the read-ahead-off runs (median over rounds),
+    against the step's wall time: on as many cores as workers, what the controller, the
+    driver and Ray's daemons take is time some worker waits."""
+    keys = sorted({key for cpu in rounds for key in cpu})
+    return [
+        h.row(
+            f"step.cpu_per_step.{key}",
+            statistics.median(cpu.get(key, 0.0) for cpu in rounds) * 1e3,
+            "ms",
+            step_ms,
+            ratio=statistics.median(cpu.get(key, 0.0) for cpu in rounds) * 1e3 / step_ms,
+        )
+        for key in keys
     ]
 
 

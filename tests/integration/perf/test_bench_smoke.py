@@ -25,6 +25,7 @@ from bench.run_all import BENCHMARKS  # noqa: E402
 NOT_BENCHMARKS = {
     "__init__",
     "harness",  # shared helpers
+    "cpu_share",  # CPU per step of a run's processes
     "table",  # the row and its table
     "plain_loop",  # the reference loop the benchmarks run
     "interleave",  # the in-turns runner of hf_step
