@@ -124,15 +124,25 @@ def _check_crash(kill: Kill, launch, before: dict, run_dir: Path) -> None:
     assert started.data["resumed_from_step"] == kill.resumed_from, why
     assert ("loaders_ready" in types) == kill.loaders_ready, why
     steps = [r.data["step"] for r in records if r.type == "step_committed"]
-    assert (steps[-1] if steps else None) == kill.last_step, why
+    last_step = steps[-1] if steps else None
     saved = tuple(r.data["step"] for r in records if r.type == "checkpoint_saved")
     assert saved == kill.checkpoints, why
     aborted = [r for r in records if r.type == "step_aborted"]
     stopped = [r for r in records if r.type == "run_stopped"]
+    want_last, want_aborted = kill.last_step, kill.aborted
+    lost = kill.aborted is not None and kill.point == "worker:train"
+    if lost and last_step == kill.last_step - 1 and len(aborted) == 1:
+        # The killed worker took the step before with it: that step's finish had run on
+        # every rank, but the killed rank's reply had not left its process when the kill
+        # came in the next step's start (a busy machine). The controller, hearing only of a
+        # dead worker, aborted that step; the resume from the checkpoint is exact either way
+        # (compared by the test), and the log shows which of the two happened.
+        want_last, want_aborted = last_step, kill.last_step
+    assert last_step == want_last, why
     if kill.aborted is None:
         assert not aborted and not stopped, why  # SIGKILL: nothing more was written
     else:  # a worker died: the controller recorded the abort and the failure
-        assert [a.data["step"] for a in aborted] == [kill.aborted], why
+        assert [a.data["step"] for a in aborted] == [want_aborted], why
         assert [s.data["reason"] for s in stopped] == ["failed"], why
         # the dead rank, or (when its peer's gloo error arrives first) the peer: see
         # test_worker_loss.py for the report on which error wins
