@@ -72,13 +72,32 @@ def main(smoke: bool = False) -> int:
             f"# Benchmark results\n\n"
             f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  \n"
             f"Machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, "
-            f"Python {platform.python_version()}  \nCommand: `make bench`\n\n"
+            f"Python {platform.python_version()}  \nCommit: {_commit()}  \n"
+            "Command: `make bench`\n\n"
             "Ratios compare figures measured side by side in the same run.\n\n"
         )
         (ROOT / "bench" / "RESULTS.md").write_text(header + "\n".join(sections))
     if failed:
         print(f"benchmarks that failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _commit() -> str:
+    """The commit the benchmarks ran on, marked when the tree held changes not committed."""
+    git = ["git", "-C", str(ROOT)]
+    try:
+        head = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{head} (with changes not committed)" if dirty else head
 
 
 def run_each(lanes: int = 1) -> tuple[list[str], list[str]]:

@@ -76,22 +76,23 @@ def scan_lines(
                     state.torn_bytes, state.torn_line = len(raw), lineno
                     return
                 end = len(raw) - 1
-                if not (
-                    raw.startswith(_DIGEST_PREFIX, end - _SUFFIX_LEN) and raw.endswith(b'"}\n')
-                ):
-                    raise _corrupt(path, lineno, "not a record line (no trailing digest field)")
                 if f is None:
                     try:
                         f = loads(raw)
                     except orjson.JSONDecodeError as exc:
+                        _check_tail(raw, end, path, lineno)
                         _check_digest(raw, end, digest, path, lineno)  # a changed line says so
                         raise _corrupt(path, lineno, f"invalid JSON ({exc})") from None
+                # A digest field equal to the SHA-256 of the bytes before the line's last 66
+                # can only be that trailing field (a digest cannot hash the bytes holding it),
+                # so a good line needs no check of its tail; a bad one is told why below.
                 try:  # seven fields, each of these names: exactly the envelope
                     if len(f) != 7 or f["digest"] != digest:
                         raise KeyError("digest")
                     type_, attempt, data, time_ = f["type"], f["attempt"], f["data"], f["time"]
                     f_seq, f_prev = f["seq"], f["prev"]
                 except (KeyError, TypeError):
+                    _check_tail(raw, end, path, lineno)
                     _check_digest(raw, end, digest, path, lineno)
                     raise _corrupt(
                         path, lineno, "a record must have exactly the envelope fields"
@@ -124,6 +125,12 @@ def scan_lines(
         state.good_bytes = good
         if close is not None:
             close()
+
+
+def _check_tail(raw: bytes, end: int, path: Path | str, lineno: int) -> None:
+    """Raise unless the line ends with its digest field (``,"digest":"<64 hex>"}``)."""
+    if not (raw.startswith(_DIGEST_PREFIX, end - _SUFFIX_LEN) and raw.endswith(b'"}\n')):
+        raise _corrupt(path, lineno, "not a record line (no trailing digest field)")
 
 
 def _check_digest(raw: bytes, end: int, digest: str, path: Path | str, lineno: int) -> None:

@@ -11,4 +11,6 @@ import ray
 
 from sft_runtime.runtime.controller.loop import SFTController
 
-SFTSingleControllerActor = ray.remote(num_cpus=0, max_concurrency=2, max_restarts=0)(SFTController)
+SFTSingleControllerActor = ray.remote(
+    num_cpus=0, max_concurrency=2, max_restarts=0, enable_task_events=False
+)(SFTController)

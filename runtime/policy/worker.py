@@ -403,4 +403,6 @@ def _in_phase(exc: Exception, phase: StepPhase) -> Exception:
     return exc
 
 
-PolicyWorker = ray.remote(concurrency_groups={WRITES_GROUP: 1})(PolicyWorkerBase)
+PolicyWorker = ray.remote(concurrency_groups={WRITES_GROUP: 1}, enable_task_events=False)(
+    PolicyWorkerBase
+)
