@@ -155,7 +155,7 @@ def run(steps: int = STEPS, spans: int = SPANS, rounds: int = ROUNDS) -> list[di
             ratio=on["bare_step_us"] / off["bare_step_us"],
         ),
         Row(
-            "cost per span, SDK + jaeger_file vs API only",
+            "cost per span, installed (jaeger_file) vs API only",
             on["per_span_us"],
             "us",
             reference=off["per_span_us"],

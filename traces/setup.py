@@ -231,15 +231,15 @@ def _install(
 ) -> Telemetry:
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
     from sft_runtime.traces.ids import RunIdGenerator
+    from sft_runtime.traces.light import LightTracerProvider, ReadableSpans
 
     attrs = resource_attributes(config, role, rank, attempt, node)
     resource = Resource.create(attrs)
     ids = RunIdGenerator()
-    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False, id_generator=ids)
+    tracer_provider = LightTracerProvider(resource, ids)  # spans cheap where they are made
     handle = Telemetry(
         enabled=True,
         role=role,
@@ -260,7 +260,9 @@ def _install(
             )
 
             handle.memory_exporter = InMemorySpanExporter()
-            tracer_provider.add_span_processor(SimpleSpanProcessor(handle.memory_exporter))
+            tracer_provider.add_span_processor(
+                SimpleSpanProcessor(ReadableSpans(handle.memory_exporter))
+            )
             handle.metric_reader = InMemoryMetricReader()
             readers.append(handle.metric_reader)
             handle.span_exporters.append(handle.memory_exporter)
@@ -273,7 +275,7 @@ def _install(
         handle.span_exporters.append(exporter)
         tracer_provider.add_span_processor(
             BatchSpanProcessor(
-                exporter,
+                ReadableSpans(exporter),  # the SDK's spans are built in the batch's thread
                 max_queue_size=MAX_QUEUED_SPANS,
                 schedule_delay_millis=1000,
                 export_timeout_millis=timeout_ms,
