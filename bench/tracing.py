@@ -3,8 +3,10 @@
 A step is one ``rl.sft_v2.step`` root span with 8 child spans (attributes on each, a carrier
 injected as for a Ray call) around ~40 ms of simulated work (sleep: the controller mostly
 waits on workers, so tracing cost sits on the critical path while the batch exporter's
-thread works during the waits). Each configuration runs in its own interpreter because the
-OpenTelemetry providers are global.
+thread works during the waits). A third configuration runs the same exporter and batch
+processor under the SDK's own tracer instead of `traces.light`'s, to show what that one
+saves. Each configuration runs in its own interpreter because the OpenTelemetry providers
+are global.
 
 Run: python bench/tracing.py [--steps 100] [--spans 5000] [--rounds 5]
 """
@@ -33,8 +35,9 @@ WORK_S = 0.040
 STEPS = pick(100, 5)
 SPANS = pick(5_000, 200)
 BARE_STEPS = pick(500, 20)  # steps with no work, for the tracing cost alone
-ROUNDS = pick(5, 1)  # side-by-side runs of both configurations
+ROUNDS = pick(5, 1)  # side-by-side runs of the three configurations
 STEP_TARGET = 1.01  # traced step time against telemetry off
+MODES = ("off", "on", "sdk")  # sdk: the SDK's own tracer, for comparison
 
 
 def _child(mode: str, steps: int, spans: int) -> dict:
@@ -45,7 +48,16 @@ def _child(mode: str, steps: int, spans: int) -> dict:
     from sft_runtime.traces.spans import set_attributes_lazily, step_span, traced
 
     run_dir = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
-    cfg = TelemetryConfig(enabled=True, exporters=["jaeger_file"]) if mode == "on" else None
+    if mode == "sdk":  # the same exporter and batch processor under the SDK's own tracer
+        from opentelemetry.sdk.trace import TracerProvider
+
+        from sft_runtime.traces import light
+
+        light.LightTracerProvider = lambda resource, ids: TracerProvider(
+            resource=resource, id_generator=ids, shutdown_on_exit=False
+        )
+    on = mode in ("on", "sdk")
+    cfg = TelemetryConfig(enabled=True, exporters=["jaeger_file"]) if on else None
     tel = setup_telemetry(cfg, role="controller", attempt=1, run_dir=run_dir)
     per_child = WORK_S / len(CHILDREN)
 
@@ -94,9 +106,9 @@ def _child(mode: str, steps: int, spans: int) -> dict:
     }
 
 
-def _spawn_both(steps: int, spans: int) -> tuple[dict, dict]:
-    """Both configurations at once, so they see the same machine load (the work is sleep,
-    so they hardly compete for a core)."""
+def _spawn_all(steps: int, spans: int) -> tuple[dict, dict, dict]:
+    """Telemetry off, on, and on under the SDK's own tracer, at once, so they see the same
+    machine load (the work is sleep, so they hardly compete for a core)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["PYTHONPATH"] = str(ROOT)
     procs = [
@@ -115,7 +127,7 @@ def _spawn_both(steps: int, spans: int) -> tuple[dict, dict]:
             text=True,
             env=env,
         )
-        for mode in ("off", "on")
+        for mode in MODES
     ]
     results = []
     for proc in procs:
@@ -123,19 +135,21 @@ def _spawn_both(steps: int, spans: int) -> tuple[dict, dict]:
         if proc.returncode != 0:
             raise RuntimeError(f"bench child failed with exit code {proc.returncode}")
         results.append(json.loads(out.strip().splitlines()[-1]))
-    return results[0], results[1]
+    return results[0], results[1], results[2]
 
 
 def run(steps: int = STEPS, spans: int = SPANS, rounds: int = ROUNDS) -> list[dict]:
-    # every round runs both configurations side by side; the step-time figures are medians
+    # every round runs the configurations side by side; the step-time figures are medians
     # over the rounds and the ratio the median of the rounds' ratios (the other rows come
     # from the round whose ratio is that median, or the upper one of the middle two)
-    results = [_spawn_both(steps, spans) for _ in range(rounds)]
-    ratios = [on["median_step_s"] / off["median_step_s"] for off, on in results]
+    results = [_spawn_all(steps, spans) for _ in range(rounds)]
+    ratios = [on["median_step_s"] / off["median_step_s"] for off, on, _ in results]
+    sdk_ratios = [sdk["median_step_s"] / off["median_step_s"] for off, _, sdk in results]
     step_ratio = statistics.median(ratios)
-    off, on = results[sorted(range(rounds), key=ratios.__getitem__)[rounds // 2]]
-    off_step = statistics.median(off["median_step_s"] for off, _ in results)
-    on_step = statistics.median(on["median_step_s"] for _, on in results)
+    off, on, sdk = results[sorted(range(rounds), key=ratios.__getitem__)[rounds // 2]]
+    off_step = statistics.median(off["median_step_s"] for off, _, _ in results)
+    on_step = statistics.median(on["median_step_s"] for _, on, _ in results)
+    sdk_step = statistics.median(sdk["median_step_s"] for _, _, sdk in results)
     per_step_bytes = on["bytes"] * (len(CHILDREN) + 1) / on["span_total"]
     rows = [
         Row(
@@ -146,6 +160,13 @@ def run(steps: int = STEPS, spans: int = SPANS, rounds: int = ROUNDS) -> list[di
             ratio=step_ratio,
             target=f"<= {STEP_TARGET}x (median of {rounds})",
             ok=step_ratio <= STEP_TARGET,
+        ),
+        Row(
+            "the same under the SDK's own tracer, vs off",
+            sdk_step * 1e3,
+            "ms",
+            reference=off_step * 1e3,
+            ratio=statistics.median(sdk_ratios),
         ),
         Row(
             f"tracing cost of one step, no work ({len(CHILDREN) + 1} spans)",
@@ -160,6 +181,13 @@ def run(steps: int = STEPS, spans: int = SPANS, rounds: int = ROUNDS) -> list[di
             "us",
             reference=off["per_span_us"],
             ratio=on["per_span_us"] / off["per_span_us"],
+        ),
+        Row(
+            "cost per span, installed vs the SDK's own tracer (same exporter)",
+            on["per_span_us"],
+            "us",
+            reference=sdk["per_span_us"],
+            ratio=on["per_span_us"] / sdk["per_span_us"],
         ),
         Row("Jaeger JSON written per step (part files)", per_step_bytes, "bytes"),
         Row(
@@ -178,7 +206,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--spans", type=int, default=SPANS)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
-    parser.add_argument("--child", choices=["on", "off"], default=None)
+    parser.add_argument("--child", choices=MODES, default=None)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args.child, args.steps, args.spans)), flush=True)
