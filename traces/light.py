@@ -207,7 +207,7 @@ class LightSpan(trace.Span):
         if self.end_time is None:
             if self._events is None:
                 self._events = []
-            self._events.append((name, attributes, timestamp or _time_ns()))
+            self._events.append((name, dict(attributes or {}), timestamp or _time_ns()))
 
     def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
         if self.end_time is None and context.is_valid:
