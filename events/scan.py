@@ -83,9 +83,10 @@ def scan_lines(
                         _check_tail(raw, end, path, lineno)
                         _check_digest(raw, end, digest, path, lineno)  # a changed line says so
                         raise _corrupt(path, lineno, f"invalid JSON ({exc})") from None
-                # A digest field equal to the SHA-256 of the bytes before the line's last 66
-                # can only be that trailing field (a digest cannot hash the bytes holding it),
-                # so a good line needs no check of its tail; a bad one is told why below.
+                # A digest field equal to the SHA-256 of the line without its last 78 bytes
+                # (where the field belongs) can only be that trailing field: a digest cannot
+                # hash the bytes holding it. So a good line needs no check of its tail; a bad
+                # one is told why below.
                 try:  # seven fields, each of these names: exactly the envelope
                     if len(f) != 7 or f["digest"] != digest:
                         raise KeyError("digest")
