@@ -4,8 +4,9 @@ A resume from checkpoint K starts a new attempt whose `run_started` says
 ``resumed_from_step: K``; every step the earlier attempts committed after K is rolled back.
 A record of attempt a about step s therefore stays in effect only while s is at most the
 smallest resume point of every later attempt. Two streaming passes find this: the first
-reads only the resume points, the second filters. Nothing here knows the save state; the
-fold lives in `states/`.
+reads only the resume points, the second filters. A fold that only needs the end can take
+`records_in_time` instead, one pass. Nothing here knows the save state; the fold lives in
+`states/`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _source(log: LogLike) -> Iterable[Record]:
         return read_log(log)
     if isinstance(log, EventLog):
         return _Rereadable(log)
-    if isinstance(log, list | tuple | LogReader):
+    if isinstance(log, list | tuple | LogReader | _Rereadable):
         return log
     return list(log)
 
@@ -68,16 +69,33 @@ def resume_limits(records: Iterable[Record]) -> dict[int, float]:
 def records_in_effect(log: LogLike) -> Iterator[Record]:
     """Stream the records that still count, checking that the story they tell is possible.
 
-    The check follows time, not the final view: each step must follow the previous one of
-    the live lineage, and a resume must start from a checkpoint that was in effect then.
-    Raises `LineageError` (with the line) otherwise.
+    The check follows time, not the final view (see `records_in_time`). Raises
+    `LineageError` (with the line) when the story is impossible.
     """
     source = _source(log)
     limits = resume_limits(source)
-    origin = _origin(log, source)
+    records = records_in_time(source, _origin(log, source))
+    if all(limit == math.inf for limit in limits.values()):
+        yield from records  # nothing was rolled back
+        return
+    for rec in records:
+        if rec.type in _STEP_TYPES and rec.data["step"] > limits.get(rec.attempt, math.inf):
+            continue
+        yield rec
+
+
+def records_in_time(log: LogLike, origin: str | None = None) -> Iterator[Record]:
+    """Every record in the order written, rolled back or not, checked as time goes.
+
+    Each step must follow the previous one of the live lineage; a resume must start from a
+    checkpoint that was in effect then; a checkpoint or a validation is of the last step.
+    A fold that rewinds at each resume to the checkpoint it starts from ends where the
+    fold of `records_in_effect` ends, in one pass. Raises `LineageError` (with the line).
+    """
+    source = _source(log)
+    origin = _origin(log, source) if origin is None else origin
     last_step = 0
     checkpoints = {0}
-    rolled_back = any(limit != math.inf for limit in limits.values())
     for rec in source:
         type_ = rec.type
         if type_ == "step_committed":  # nearly every line: checked first
@@ -114,12 +132,6 @@ def records_in_effect(log: LogLike) -> Iterator[Record]:
                 rec.line,
                 f"validation of step {rec.data['step']} completed after step {last_step}",
             )
-        if (
-            rolled_back
-            and type_ in _STEP_TYPES
-            and rec.data["step"] > limits.get(rec.attempt, math.inf)
-        ):
-            continue
         yield rec
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_runtime.events.errors import LineageError
-from sft_runtime.events.lineage import LogLike, records_in_effect
+from sft_runtime.events.lineage import LogLike, records_in_effect, records_in_time
 from sft_runtime.events.record import Record
 from sft_runtime.events.schemas import (
     CheckpointSaved,
@@ -201,12 +201,60 @@ def apply(state: SFTV2SaveState, record: Record) -> SFTV2SaveState:
 def replay(log: LogLike, until_step: int | None = None) -> SFTV2SaveState:
     """The save state after the records in effect, stopping after step ``until_step``.
 
-    The same fold as `apply` over `records_in_effect` (a property test holds them equal):
-    ``step_committed``, nearly every line of a log and the cost of every resume, keeps its
-    counters as plain integers between records (`next_counters`, the handler's own rule)
-    instead of building a save state per line; every other type goes through `HANDLERS`.
+    The same fold as `apply` over `records_in_effect` (a property test holds them equal).
+    The whole log folds in one pass (`_fold_rewinding`); a stop at a step, or a log whose
+    rolled-back checkpoint disagrees with the fold, takes the records in effect instead.
     Raises `events.LineageError` (naming the line) when a record cannot be folded.
     """
+    if until_step is None:
+        state = _fold_rewinding(log)
+        if state is not None:
+            return state
+    return _fold_in_effect(log, until_step)
+
+
+def _fold_rewinding(log: LogLike) -> SFTV2SaveState | None:
+    """Fold every record in time order; a resume from step K rewinds to checkpoint K.
+
+    At the end the live lineage is exactly the records in effect, so the counters agree
+    with `_fold_in_effect` without the pass that finds the rolled-back steps first.
+    ``step_committed`` (nearly every line) keeps the counters as plain integers; the step
+    order it relies on is checked by `records_in_time`. Returns None when a checkpoint
+    disagrees with the fold: whether that is an error depends on whether the checkpoint
+    was rolled back, which only the records in effect can tell.
+    """
+    steps = samples = tokens = 0
+    placement = ""
+    saved = {0: (0, 0, 0)}  # step -> counters of the latest checkpoint of that step
+    for rec in records_in_time(log):
+        data = rec.data
+        type_ = rec.type
+        if type_ == "step_committed":
+            steps, samples, tokens = (
+                data["step"],
+                samples + data["source_samples"],
+                tokens + data["valid_tokens"],
+            )
+        elif type_ == "run_started":
+            steps, samples, tokens = saved[data.get("resumed_from_step") or 0]
+            placement = run_started(
+                SFTV2SaveState(steps, samples, tokens, placement), data
+            ).placement_hash
+        elif type_ == "checkpoint_saved":
+            counters = (steps, samples, tokens)
+            if (
+                data["total_steps"],
+                data["consumed_samples"],
+                data["total_valid_tokens"],
+            ) != counters:
+                return None
+            saved[steps] = counters
+    return SFTV2SaveState(steps, samples, tokens, placement)
+
+
+def _fold_in_effect(log: LogLike, until_step: int | None) -> SFTV2SaveState:
+    """`apply` over `records_in_effect`, with ``step_committed`` kept as plain integers
+    (`next_counters`, the handler's own rule) instead of a save state per line."""
     placement = ""
     counters = (0, 0, 0)
     stop = math.inf if until_step is None else until_step

@@ -141,3 +141,44 @@ def test_checkpoint_that_disagrees_with_the_fold_is_refused(tmp_path):
         )
     with pytest.raises(LineageError, match=r"line 2: .*999.*folds to \(1, 8, 101\)"):
         replay(tmp_path)
+
+
+def test_a_rolled_back_checkpoint_that_disagrees_does_not_count(tmp_path):
+    """Only a checkpoint in effect must agree with the fold; the one-pass fold of the whole
+    log hands such a log to the fold of the records in effect, which gives the same answer."""
+    from sft_runtime.events import CheckpointSaved, RunStarted, open_log
+    from sft_runtime.states import apply, initial_save_state
+    from tests.support.logbuild import PLACEMENT, step_event
+
+    def saved(step: int, samples: int) -> CheckpointSaved:
+        return CheckpointSaved(
+            step=step,
+            path=f"p{step}",
+            total_steps=step,
+            consumed_samples=samples,
+            total_valid_tokens=sum(100 + s for s in range(1, step + 1)),
+        )
+
+    with open_log(tmp_path, fsync=False) as log:
+        log.append(RunStarted(placement_hash=PLACEMENT))
+        for step in (1, 2):
+            log.append(step_event(step))
+        log.append(saved(2, 16))
+        log.append(step_event(3))
+        log.append(saved(3, 999))  # wrong, and rolled back by the resume below
+    with open_log(tmp_path, fsync=False) as log:  # the next attempt
+        log.append(RunStarted(placement_hash=PLACEMENT, resumed_from_step=2))
+        for step in (3, 4):
+            log.append(step_event(step))
+    state = replay(tmp_path)
+    assert (state.total_steps, state.consumed_samples, state.total_valid_tokens) == tuple(
+        totals_at(4)
+    )
+    folded = initial_save_state()
+    for rec in records_in_effect(read_log(tmp_path)):
+        folded = apply(folded, rec)
+    assert folded == state
+    with open_log(tmp_path, fsync=False) as log:  # the same mistake, now in effect
+        log.append(saved(4, 999))
+    with pytest.raises(LineageError, match=r"line 10: .*999"):
+        replay(tmp_path)
