@@ -4,7 +4,8 @@ The plain loop does no loading at all (its batches are the very loader stream sf
 trains on, written beforehand), so the ratio is what the runtime adds to a step: Ray calls,
 the controller, events, spans, checkpoints. Target: sft-runtime <= 1.10x, read-ahead on and
 off; the losses must agree exactly. Beside the ratio: the CPU each process of the run
-takes per step (`bench.cpu_share`), where an overhead on a machine without spare cores goes.
+takes per step (`bench.cpu_share`), where an overhead on a machine without spare cores goes,
+and two parts of the overhead that are work the plain loop skips: checkpoints and loading.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ def _overhead(data: Path, tmp: Path) -> list[dict]:
         return h.raw_config(h.COMPUTE, data, run_dir, h.STEPS, WORLD, prefetch)
 
     batches = pretokenize(raw(tmp), WORLD, h.STEPS, tmp / "batches.pt")
-    ref, off, on, r_off, r_on, cpu = [], [], [], [], [], []
+    ref, off, on, r_off, r_on, cpu, parts = [], [], [], [], [], [], []
     losses = None
     for i in range(h.OVERHEAD_ROUNDS):
         plain = plain_run(raw(tmp), WORLD, h.STEPS, batches)
         sampler = CpuSampler(h.WARMUP, h.STEPS - 2)  # the last rows may come after the end
         a = h.runtime_run(raw(tmp / f"a-off-{i}"), on_step=sampler.on_step)
         cpu.append(sampler.per_step())
+        parts.append(_parts(a))
         b = h.runtime_run(raw(tmp / f"a-on-{i}", prefetch=2))
         t_ref, t_off, t_on = (
             h.step_time(plain["times"]),
@@ -84,8 +86,27 @@ def _overhead(data: Path, tmp: Path) -> list[dict]:
         *rows,
         h.row("step.overhead_per_step (sft-runtime - plain)", extra, "ms"),
         h.row("step.max_loss_diff_vs_plain", diff, "nats", None, "== 0", diff == 0.0),
+        *[
+            h.row(f"step.overhead_per_step.{name}", statistics.median(p[name] for p in parts), "ms")
+            for name in ("checkpoints", "loading")
+        ],
         *_cpu_rows(cpu, statistics.median(off) * ms),
     ]
+
+
+def _parts(run: dict) -> dict[str, float]:
+    """Two known parts of the overhead per step (ms) in one run's steady window, both work
+    the plain loop does not do: the checkpoints (the mean interval less the mean of the
+    intervals that no save precedes) and the loading (the slowest rank's load, which the
+    step waits for when read-ahead is off)."""
+    times, steps = run["times"][h.WARMUP - 1 :], run["steps"][h.WARMUP - 1 :]
+    intervals = {s: b - a for s, a, b in zip(steps[1:], times, times[1:], strict=False)}
+    plain = [v for s, v in intervals.items() if (s - 1) % h.SAVE_PERIOD != 0]
+    saves = statistics.mean(intervals.values()) - statistics.mean(plain or [0.0])
+    return {
+        "checkpoints": 1e3 * saves,
+        "loading": 1e3 * statistics.median(run["load"][h.WARMUP :]),
+    }
 
 
 def _cpu_rows(rounds: list[dict[str, float]], step_ms: float) -> list[dict]:
