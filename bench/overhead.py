@@ -5,7 +5,9 @@ trains on, written beforehand), so the ratio is what the runtime adds to a step:
 the controller, events, spans, checkpoints. Target: sft-runtime <= 1.10x, read-ahead on and
 off; the losses must agree exactly. Beside the ratio: the CPU each process of the run
 takes per step (`bench.cpu_share`), where an overhead on a machine without spare cores goes,
-and two parts of the overhead that are work the plain loop skips: checkpoints and loading.
+with the plain loop's ranks beside them (``plain_rank<r>``: a worker's CPU less its rank's is
+what the runtime adds in that process), and two parts of the overhead that are work the plain
+loop skips: checkpoints and loading.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ def _overhead(data: Path, tmp: Path) -> list[dict]:
         return h.raw_config(h.COMPUTE, data, run_dir, h.STEPS, WORLD, prefetch)
 
     batches = pretokenize(raw(tmp), WORLD, h.STEPS, tmp / "batches.pt")
-    ref, off, on, r_off, r_on, cpu, parts = [], [], [], [], [], [], []
+    ref, off, on, r_off, r_on, cpu, plain_cpu, parts = [], [], [], [], [], [], [], []
     losses = None
     for i in range(h.OVERHEAD_ROUNDS):
         plain = plain_run(raw(tmp), WORLD, h.STEPS, batches)
+        plain_cpu.append(
+            {f"plain_rank{r}": h.step_time(c) for r, c in enumerate(plain["rank_cpu"])}
+        )
         sampler = CpuSampler(h.WARMUP, h.STEPS - 2)  # the last rows may come after the end
         a = h.runtime_run(raw(tmp / f"a-off-{i}"), on_step=sampler.on_step)
         cpu.append(sampler.per_step())
@@ -90,8 +95,15 @@ def _overhead(data: Path, tmp: Path) -> list[dict]:
             h.row(f"step.overhead_per_step.{name}", statistics.median(p[name] for p in parts), "ms")
             for name in ("checkpoints", "loading")
         ],
-        *_cpu_rows(cpu, statistics.median(off) * ms),
+        *_cpu_rows([_with_total(c, "all") for c in cpu], statistics.median(off) * ms),
+        *_cpu_rows([_with_total(c, "plain_all") for c in plain_cpu], statistics.median(ref) * ms),
     ]
+
+
+def _with_total(cpu: dict[str, float], name: str) -> dict[str, float]:
+    """A round's CPU per step with the sum of its processes under ``name``: on a machine
+    whose cores are all busy, the two sides' totals bound what their step times can be."""
+    return {**cpu, name: sum(cpu.values())} if cpu else cpu
 
 
 def _parts(run: dict) -> dict[str, float]:
@@ -110,9 +122,10 @@ def _parts(run: dict) -> dict[str, float]:
 
 
 def _cpu_rows(rounds: list[dict[str, float]], step_ms: float) -> list[dict]:
-    """CPU ms per step of each process of the read-ahead-off runs (median over rounds),
-    against the step's wall time: on as many cores as workers, what the controller, the
-    driver and Ray's daemons take is time some worker waits."""
+    """CPU ms per step of each process of a side (the read-ahead-off runs, or the plain
+    loop's ranks; median over rounds), against that side's step wall time: on as many cores
+    as workers, what the controller, the driver and Ray's daemons take is time some worker
+    waits."""
     keys = sorted({key for cpu in rounds for key in cpu})
     return [
         h.row(

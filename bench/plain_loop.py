@@ -155,14 +155,15 @@ class PlainLoop:
         return {"losses": losses}
 
     def run(self) -> dict:
-        times, losses = [], []
+        times, cpu, losses = [], [], []
         for step in range(self.job["steps"]):
             losses.append(self.step(step))
             times.append(time.time())
+            cpu.append(time.process_time())  # this rank's CPU, every thread, at the step's end
         self.dist.destroy_process_group()
         if self.loader is not None:
             self.loader.close()
-        return {"times": times, "losses": losses}
+        return {"times": times, "cpu": cpu, "losses": losses}
 
 
 def _free_port() -> int:
@@ -182,7 +183,8 @@ def _start(job: dict, **popen: Any) -> subprocess.Popen:
 
 
 def plain_run(raw: dict, world: int, steps: int, batches: Path | None) -> dict:
-    """Run the plain loop on `world` subprocesses; rank 0's step end times and losses."""
+    """Run the plain loop on `world` subprocesses; rank 0's step end times and losses, and
+    every rank's CPU seconds at each step's end (``rank_cpu``)."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -199,7 +201,8 @@ def plain_run(raw: dict, world: int, steps: int, batches: Path | None) -> dict:
     for p in procs:
         if p.returncode:
             raise RuntimeError(f"plain loop rank exited with {p.returncode}")
-    return json.loads(outs[0].strip().splitlines()[-1])
+    ranks = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    return {**ranks[0], "rank_cpu": [r["cpu"] for r in ranks]}
 
 
 class PlainTurns:
