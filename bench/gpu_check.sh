@@ -64,7 +64,7 @@ config = validate_config(raw)
 trainer = DPTrainer(config.policy, seed=1, device=torch.device("cuda", 0))
 param_device = next(trainer.model.parameters()).device
 ids = torch.randint(1, 264, (2, 64))
-with trainer._autocast():
+with trainer.autocast():
     logits = trainer.model(ids.cuda(), torch.arange(64).expand(2, 64).cuda(),
                            torch.zeros(2, 64, dtype=torch.long).cuda())
 print(f"gpu_check: parameters on {param_device} ({next(trainer.model.parameters()).dtype}), "

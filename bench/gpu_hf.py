@@ -137,6 +137,7 @@ def plain_rank(rank: int, world: int, port: int, job: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from sft_runtime.runtime.policy.fsdp import enable_activation_checkpointing
     from sft_runtime.runtime.policy.hf_model import hf_logits, load_hf_model
 
     cuda = not job["smoke"]
@@ -149,7 +150,7 @@ def plain_rank(rank: int, world: int, port: int, job: dict) -> None:
     )
     # the runtime's own packed-row attention: the two sides differ in the runtime, not the kernel
     model = load_hf_model(job["folder"]).to(device)
-    model.activation_checkpointing_enable({"use_reentrant": False})
+    enable_activation_checkpointing(model)  # as policy.parallel.activation_checkpointing does
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:

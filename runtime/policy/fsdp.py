@@ -49,11 +49,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer's activations in the backward pass."""
+    """Recompute each decoder layer's activations in the backward pass. A Hugging Face model
+    offers it as ``activation_checkpointing_enable`` (transformers >= 5.24) or under its older
+    name ``gradient_checkpointing_enable``, which images with an older transformers still have."""
+    hf_enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None
+    )
     if hasattr(model, "checkpoint_blocks"):
         model.checkpoint_blocks = True
-    elif hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable({"use_reentrant": False})
+    elif hf_enable is not None:
+        hf_enable({"use_reentrant": False})
     else:
         raise ValueError(
             f"policy.parallel.activation_checkpointing: {type(model).__name__} offers none"

@@ -37,7 +37,7 @@ def test_bf16_step_on_cuda_from_a_prefetched_batch(perf_spec):
         loader.close()
     assert next(replica.model.parameters()).is_cuda
     assert math.isfinite(out.loss) and out.step == 1
-    with replica._autocast():
+    with replica.autocast():
         ids = torch.ones(1, 8, dtype=torch.long, device="cuda")
         logits = replica.model(ids, torch.arange(8, device="cuda")[None], torch.zeros_like(ids))
     assert logits.dtype == torch.bfloat16

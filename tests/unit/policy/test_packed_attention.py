@@ -244,3 +244,22 @@ def test_fsdp_casting_its_inputs_to_bf16_still_hands_the_segments_through(tmp_pa
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(got.float(), expected, rtol=0.0, atol=0.1)  # bf16 rounding
+
+
+def test_activation_checkpointing_takes_the_older_transformers_name():
+    """Before transformers 5.24 a model offers it only as ``gradient_checkpointing_enable``;
+    a module offering neither name is refused with the config key."""
+
+    class OlderTransformersModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list = []
+
+        def gradient_checkpointing_enable(self, kwargs=None) -> None:
+            self.calls.append(kwargs)
+
+    model = OlderTransformersModel()
+    enable_activation_checkpointing(model)
+    assert model.calls == [{"use_reentrant": False}]
+    with pytest.raises(ValueError, match=r"activation_checkpointing: Linear offers none"):
+        enable_activation_checkpointing(torch.nn.Linear(2, 2))
