@@ -6,8 +6,9 @@ the controller, events, spans, checkpoints. Target: sft-runtime <= 1.10x, read-a
 off; the losses must agree exactly. Beside the ratio: the CPU each process of the run
 takes per step (`bench.cpu_share`), where an overhead on a machine without spare cores goes,
 with the plain loop's ranks beside them (``plain_rank<r>``: a worker's CPU less its rank's is
-what the runtime adds in that process), and two parts of the overhead that are work the plain
-loop skips: checkpoints and loading.
+what the runtime adds in that process), two parts of the overhead that are work the plain
+loop skips (checkpoints and loading), and where a worker's step goes, phase by phase, beside
+the plain loop's own (``step.phase.*``, from the run's spans: `bench.timeline`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if not __package__:  # run as a script: make `bench` importable
 from bench import harness as h  # noqa: E402
 from bench.cpu_share import CpuSampler  # noqa: E402
 from bench.plain_loop import plain_run, pretokenize  # noqa: E402
+from bench.timeline import plain_phases, worker_phases  # noqa: E402
 
 # DP workers (smoke: one; DP=2 runs in prefetch.py, resume.py and load_memory.py)
 WORLD = h.pick(2, 1)
@@ -39,15 +41,18 @@ def _overhead(data: Path, tmp: Path) -> list[dict]:
 
     batches = pretokenize(raw(tmp), WORLD, h.STEPS, tmp / "batches.pt")
     ref, off, on, r_off, r_on, cpu, plain_cpu, parts = [], [], [], [], [], [], [], []
+    phases, ref_phases = [], []
     losses = None
     for i in range(h.OVERHEAD_ROUNDS):
         plain = plain_run(raw(tmp), WORLD, h.STEPS, batches)
         plain_cpu.append(
             {f"plain_rank{r}": h.step_time(c) for r, c in enumerate(plain["rank_cpu"])}
         )
+        ref_phases.append(plain_phases(plain["phases"], h.WARMUP + 1))
         sampler = CpuSampler(h.WARMUP, h.STEPS - 2)  # the last rows may come after the end
         a = h.runtime_run(raw(tmp / f"a-off-{i}"), on_step=sampler.on_step)
         cpu.append(sampler.per_step())
+        phases.append(worker_phases(tmp / f"a-off-{i}", h.WARMUP + 1))
         parts.append(_parts(a))
         b = h.runtime_run(raw(tmp / f"a-on-{i}", prefetch=2))
         t_ref, t_off, t_on = (
@@ -95,9 +100,29 @@ def _overhead(data: Path, tmp: Path) -> list[dict]:
             h.row(f"step.overhead_per_step.{name}", statistics.median(p[name] for p in parts), "ms")
             for name in ("checkpoints", "loading")
         ],
+        *_phase_rows(phases, ref_phases),
         *_cpu_rows([_with_total(c, "all") for c in cpu], statistics.median(off) * ms),
         *_cpu_rows([_with_total(c, "plain_all") for c in plain_cpu], statistics.median(ref) * ms),
     ]
+
+
+def _phase_rows(rounds: list[dict[str, float]], ref: list[dict[str, float]]) -> list[dict]:
+    """Where a worker's step goes (ms, median over rounds; `bench.timeline`), beside the
+    same phase of the plain loop's rank 0 where it has one: ``between_calls`` is a worker
+    waiting for Ray to hand it its next call, ``call_overhead`` its calls' own time outside
+    the phases."""
+    rows = []
+    for key in sorted({k for r in rounds for k in r}):
+        plain = [r[key] for r in ref if key in r]
+        rows.append(
+            h.row(
+                f"step.phase.{key}",
+                statistics.median(r.get(key, 0.0) for r in rounds),
+                "ms",
+                statistics.median(plain) if plain else None,
+            )
+        )
+    return rows
 
 
 def _with_total(cpu: dict[str, float], name: str) -> dict[str, float]:

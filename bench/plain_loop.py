@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import warnings
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ if not __package__:  # run as a script: make `bench` importable
     sys.path.insert(0, str(ROOT))
 
 from bench.harness import SEED, loader_specs, master_config, placement_hash  # noqa: E402
+from bench.timeline import PHASES  # noqa: E402
 
 
 class PlainLoop:
@@ -75,6 +77,7 @@ class PlainLoop:
         )
         self.fn = NLLLossFn()
         self.steps_done = 0
+        self.phases: list[dict[str, float]] = []  # seconds of each phase, per step
         self.loader = None
         self.batches: list = []
         if job["batches"]:
@@ -104,11 +107,14 @@ class PlainLoop:
         from sft_runtime.runtime.policy.schedule import lr_at
 
         torch, dist, fn = self.torch, self.dist, self.fn
+        marks = [time.perf_counter()]
         batch = self._batch(step)
+        marks.append(time.perf_counter())
         count = torch.tensor([float(fn.valid_tokens(batch)), 0.0], dtype=torch.float64)
         dist.all_reduce(count)
         total = int(count[0].item())
         self.model.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
         size, nll = self.policy.train_micro_batch_size, 0.0
         for start in range(0, batch.num_rows, size):
             mb = batch.rows(start, min(start + size, batch.num_rows))
@@ -116,10 +122,12 @@ class PlainLoop:
             loss, metrics = fn(logits, mb, total)
             loss.backward()
             nll += float(metrics["nll_sum"])
+        marks.append(time.perf_counter())
         grads = [p.grad for p in self.params]
         tail = torch.tensor([nll, 0.0], dtype=torch.float32)
         flat = torch.cat([g.reshape(-1) for g in grads] + [tail])
         dist.all_reduce(flat)
+        marks.append(time.perf_counter())
         offset = 0
         for p, g in zip(self.params, grads, strict=True):
             p.grad = flat[offset : offset + g.numel()].view_as(p)
@@ -131,6 +139,8 @@ class PlainLoop:
         self.opt.step()
         self.model.zero_grad(set_to_none=True)
         self.steps_done += 1
+        marks.append(time.perf_counter())
+        self.phases.append({k: b - a for k, (a, b) in zip(PHASES, pairwise(marks), strict=True)})
         if self.loader is not None:
             self.loader.commit()
         return float(flat[-2].item()) / max(total, 1)
@@ -163,7 +173,7 @@ class PlainLoop:
         self.dist.destroy_process_group()
         if self.loader is not None:
             self.loader.close()
-        return {"times": times, "cpu": cpu, "losses": losses}
+        return {"times": times, "cpu": cpu, "losses": losses, "phases": self.phases}
 
 
 def _free_port() -> int:

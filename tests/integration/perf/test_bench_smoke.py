@@ -26,6 +26,7 @@ NOT_BENCHMARKS = {
     "__init__",
     "harness",  # shared helpers
     "cpu_share",  # CPU per step of a run's processes
+    "timeline",  # where a worker's step goes, read from a run's spans
     "table",  # the row and its table
     "plain_loop",  # the reference loop the benchmarks run
     "interleave",  # the in-turns runner of hf_step
