@@ -50,8 +50,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass. A Hugging Face model
-    offers it as ``activation_checkpointing_enable`` (transformers >= 5.24) or under its older
-    name ``gradient_checkpointing_enable``, which images with an older transformers still have."""
+    offers it as ``activation_checkpointing_enable`` in the transformers this project pins,
+    and only as ``gradient_checkpointing_enable`` in older ones (5.17, say), which machine
+    images with transformers preinstalled may carry."""
     hf_enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
         model, "gradient_checkpointing_enable", None
     )
