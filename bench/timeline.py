@@ -3,10 +3,11 @@
 On a machine whose cores are all busy, the CPU rows (`bench.cpu_share`) say which process
 takes the time; these say what a worker waits on within a step. Each worker runs a step as
 two Ray calls (`start_step`: load, begin, forward/backward; `finish_step`: gradient
-all-reduce, optimizer), sent ahead so that the next is queued when one ends: whatever time
-lies between a worker's calls is Ray taking one reply and dispatching the next, a cost the
-plain loop does not have. The plain loop times the same phases itself (`PlainLoop.step`),
-so each phase can be set beside its own.
+all-reduce, during which the next batch is read (`read_ahead`), and the optimizer), sent
+ahead so that the next is queued when one ends: whatever time lies between a worker's calls
+is Ray taking one reply and dispatching the next, a cost the plain loop does not have. The
+plain loop times the same phases itself (`PlainLoop.step`), so each phase can be set beside
+its own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 CALLS = ("start_step", "finish_step")  # a worker's two calls of a step
 # a step's phases: the worker's span names, and what the plain loop times (`PlainLoop.step`)
 PHASES = ("load", "begin_step", "forward_backward", "allreduce", "optimizer")
+NESTED = ("read_ahead",)  # inside a phase (the next batch, read during the all-reduce)
 
 
 def _name(span: dict) -> str:
@@ -59,7 +61,7 @@ def worker_phases(run_dir: Path, first_step: int) -> dict[str, float]:
         per_step: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         calls = [s for s in spans if s[2] in CALLS]
         for begin, end, name, step in spans:
-            if name in PHASES:
+            if name in PHASES or name in NESTED:
                 per_step[step][name] += (end - begin) / 1e3
         for (_, prev_end, _, _), (begin, _, _, step) in zip(calls, calls[1:], strict=False):
             per_step[step]["between_calls"] += (begin - prev_end) / 1e3

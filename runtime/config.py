@@ -77,6 +77,8 @@ class DataPlaneConfig(BaseModel):
 
     impl: Literal["local"] = "local"
     max_partitions: int = Field(1, ge=1)  # batches a worker may hold (>= 2 prefetches)
+    # with max_partitions 1: read the next batch while the gradients are all-reduced
+    load_during_allreduce: bool = True
 
 
 class MasterConfig(BaseModel):

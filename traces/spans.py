@@ -45,6 +45,7 @@ BEGIN_STEP_SPAN = "rl.sft_v2.begin_step"  # the global token count (a collective
 FORWARD_BACKWARD_SPAN = "rl.sft_v2.forward_backward"
 FINISH_STEP_SPAN = "rl.sft_v2.finish_step"  # gradients, clipping, the optimizer step
 ALLREDUCE_SPAN = "rl.sft_v2.allreduce"
+READ_AHEAD_SPAN = "rl.sft_v2.read_ahead"  # the next batch, read during the all-reduce
 OPTIMIZER_SPAN = "rl.sft_v2.optimizer"
 EVENT_APPEND_SPAN = "rl.sft_v2.event_append"  # the controller appends step_committed
 VALIDATION_SPAN = "rl.sft_v2.validation"  # a validation pass, in the controller

@@ -193,7 +193,10 @@ class SFTController:
         restored = self.args.loader_states
         depth = cfg.data_plane.max_partitions  # batches an owner may hold: >= 2 prefetches
         self.group.setup_loaders(
-            factories, restored, **({"prefetch_depth": depth} if depth > 1 else {})
+            factories,
+            restored,
+            **({"prefetch_depth": depth} if depth > 1 else {}),
+            load_during_allreduce=cfg.data_plane.load_during_allreduce,
         )
         fault_point(
             "setup:after_loaders", step=self.model.save_state.total_steps, attempt=self._attempt

@@ -1,12 +1,17 @@
-"""`PrefetchingLoader`: read the next batches ahead in a background thread, exactly.
+"""`PrefetchingLoader`: read the next batches ahead of the step that needs them, exactly.
 
-With ``data_plane.max_partitions = depth >= 2`` every loader owner wraps its colocated loader
-in this class. A background thread fetches batches ahead of the controller, so `load()` at the
-start of a step usually finds its batch ready: the loader latency overlaps the previous step's
-training and the controller's bookkeeping (event append, commit round trip) instead of adding
-to the step time.
+Two ways to read ahead, chosen when the loader is built:
 
-Why it is exact. The thread never commits anything. It only calls
+- ``background=True`` (``data_plane.max_partitions = depth >= 2``): a thread fetches up to
+  ``depth`` batches ahead, so a loading-heavy step (a chat template rendered in Python) finds
+  its batch ready; the loader's latency overlaps the previous step's training.
+- ``background=False`` (``data_plane.load_during_allreduce``, depth 2): no thread. The worker
+  calls `fetch_now` while its gradient all-reduce is in flight, the one stretch of a step in
+  which its own thread only waits for the other ranks. The next step's `load()` then takes a
+  batch already in hand, and the fetch's CPU never competes with a forward or backward pass.
+  `load()` with nothing queued (the first step, after an abort) fetches in place.
+
+Why it is exact. A fetch never commits anything. It only calls
 `ColocatedLoader.fetch_ahead()`, which returns a batch together with the energon state taken
 just before that batch was fetched, and queues the pair. The inner loader's counters (steps,
 samples, epochs) move only when the controller commits:
@@ -68,13 +73,18 @@ class PrefetchingLoader:
     """A `BatchSource` that keeps up to ``depth`` batches (active + read ahead) in hand.
 
     ``inner_factory()`` builds the loader to wrap: a `ColocatedLoader` or anything with its
-    `fetch_ahead`, `activate_fetched`, `state_dict_at` extension.
+    `fetch_ahead`, `activate_fetched`, `state_dict_at` extension. ``background`` reads ahead
+    in a thread; without it only `fetch_now` (and a `load` with nothing queued) fetches.
     """
 
-    def __init__(self, inner_factory: Callable[[], Any], depth: int = 2) -> None:
+    def __init__(
+        self, inner_factory: Callable[[], Any], depth: int = 2, *, background: bool = True
+    ) -> None:
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.depth = depth
+        self.background = background
+        self._set_up = False
         self._inner = inner_factory()
         self._cond = threading.Condition()
         self._ready: deque[_Fetched] = deque()
@@ -97,10 +107,13 @@ class PrefetchingLoader:
     # -- lifecycle --------------------------------------------------------------------------
 
     def setup(self, restored_state: dict | None = None) -> None:
-        if self._thread is not None:
+        if self._set_up:
             raise RuntimeError("setup() was already called on this loader")
         with ENERGON_LOCK:
             self._inner.setup(restored_state)
+        self._set_up = True
+        if not self.background:
+            return
         name = f"sft-prefetch-rank{getattr(self._inner, 'logical_rank', '?')}"
         self._thread = threading.Thread(target=self._fetch_loop, name=name, daemon=True)
         self._thread.start()
@@ -139,23 +152,39 @@ class PrefetchingLoader:
                 if self._closed:
                     return
                 self._busy = True
-            item, error = None, None
-            start = time.perf_counter()
-            try:
-                with ENERGON_LOCK:
-                    state_before, batch = self._inner.fetch_ahead()
-                item = _Fetched(state_before, batch)
-            except BaseException as exc:  # noqa: BLE001 - handed to the next load()
-                error = exc
-            seconds = time.perf_counter() - start
-            with self._cond:
-                self._busy = False
-                if item is not None:
-                    self._ready.append(item)
-                    self.fetch_seconds.append(seconds)
-                else:
-                    self._error = error
-                self._cond.notify_all()
+            self._fetch_one(BaseException)
+
+    def _fetch_one(self, catch: type[BaseException]) -> None:
+        """One batch read ahead and queued (the caller set ``_busy``); a failure is handed to
+        the next load(), in stream order."""
+        item, error = None, None
+        start = time.perf_counter()
+        try:
+            with ENERGON_LOCK:
+                state_before, batch = self._inner.fetch_ahead()
+            item = _Fetched(state_before, batch)
+        except catch as exc:  # noqa: BLE001 - raised by the next load()
+            error = exc
+        seconds = time.perf_counter() - start
+        with self._cond:
+            self._busy = False
+            if item is not None:
+                self._ready.append(item)
+                self.fetch_seconds.append(seconds)
+            else:
+                self._error = error
+            self._cond.notify_all()
+
+    def fetch_now(self) -> None:
+        """Read one batch ahead in the caller's thread, when there is room (no-op with a
+        background fetcher, which reads ahead on its own)."""
+        if self.background:
+            return
+        with self._cond:
+            if self._closed or not self._set_up or not self._wants_fetch():
+                return
+            self._busy = True
+        self._fetch_one(Exception)
 
     def _pause(self) -> None:
         """Keep the fetcher out of energon until `_resume` (waits for a fetch in flight)."""
@@ -170,7 +199,7 @@ class PrefetchingLoader:
             self._cond.notify_all()
 
     def _require_running(self) -> None:
-        if self._thread is None or self._closed:
+        if not self._set_up or self._closed:
             raise RuntimeError("the loader is not set up (call setup() first) or was closed")
 
     # -- steps ------------------------------------------------------------------------------
@@ -179,13 +208,15 @@ class PrefetchingLoader:
         """Hand out the oldest batch read ahead (waiting for it if needed).
 
         ``load_seconds`` in the envelope is the time this call waited, which is what the
-        step paid for loading; a failed background fetch is raised here, in stream order.
+        step paid for loading; a failed read-ahead is raised here, in stream order.
         """
         self._require_running()
         start = time.perf_counter()
         with self._cond:
             if self._active:
                 raise RuntimeError("a batch is already active: commit() or abort() it first")
+            if not self.background and not self._ready and self._error is None:
+                self.fetch_now()  # nothing was read ahead: fetch here, as a plain load would
             while not self._ready and self._error is None:
                 if not self._thread.is_alive():
                     raise RuntimeError("the prefetch thread is gone (the loader was closed?)")

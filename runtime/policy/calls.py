@@ -128,15 +128,19 @@ class WorkerCalls:
         factories: Sequence[Callable[[], BatchSource]],
         restored_states: Sequence[Any] | None = None,
         prefetch_depth: int = 1,
+        *,
+        load_during_allreduce: bool = False,
     ) -> None:
         """One picklable factory (and optional restored state) per loader-owner rank;
-        ``prefetch_depth`` >= 2 makes every owner read that many batches ahead."""
+        ``prefetch_depth`` >= 2 makes every owner read that many batches ahead in a thread,
+        ``load_during_allreduce`` the next one while the gradients are all-reduced."""
         states = list(restored_states) if restored_states is not None else [None] * len(factories)
         self._run(
             "setup_sft_dataloader",
             ranks="owners",
             per_rank_args=list(zip(factories, states, strict=True)),
             prefetch_depth=prefetch_depth,
+            load_during_allreduce=load_during_allreduce,
         )
 
     def commit_batches(self, *, carrier: dict | None = None) -> None:

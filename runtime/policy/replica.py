@@ -212,11 +212,13 @@ class Replica:
             "forward_backward_s": step.forward_backward_s,
         }
 
-    def finish(self) -> StepFinished:
+    def finish(self, while_reducing: Callable[[], None] | None = None) -> StepFinished:
         """All-reduce gradients and loss, clip, take the optimizer step (collective).
 
         The flat buffer carries a "not ready" flag: if any rank has no trained step, every
         rank raises before touching its weights (the step stays open for `abort`).
+        ``while_reducing`` runs while the all-reduce of a trained step is in flight (the
+        worker reads its next batch there); it must not raise and must not touch the model.
         """
         step = self._open
         ready = step is not None and step.trained
@@ -236,7 +238,12 @@ class Replica:
             device=self.device,
         )
         with TRACER.start_as_current_span(ALLREDUCE_SPAN):
-            flat = self._all_reduce(torch.cat([g.reshape(-1) for g in grads] + [tail]))
+            flat = torch.cat([g.reshape(-1) for g in grads] + [tail])
+            work = dist.all_reduce(flat, async_op=True) if dist.is_initialized() else None
+            if while_reducing is not None and ready:
+                while_reducing()
+            if work is not None:
+                work.wait()
         if not ready:
             phase = "begin_train_step" if step is None else "train_step"
             raise RuntimeError(f"finish_train_step called before a successful {phase}")

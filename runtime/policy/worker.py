@@ -59,6 +59,7 @@ from sft_runtime.traces.spans import (
     LOAD_SPAN,
     LOADER_COMMIT_SPAN,
     PHASE_ATTR,
+    READ_AHEAD_SPAN,
     START_STEP_SPAN,
     VALIDATION_WORKER_SPAN,
     traced,
@@ -103,6 +104,7 @@ class PolicyWorkerBase:
             self.replica, policy, rank=rank, world_size=world_size, num_threads=self.num_threads
         )
         self._loader: BatchSource | None = None
+        self._reads_ahead_in_finish = False  # the loader reads its next batch in `finish`
         self._batch_step: int | None = None  # replica steps done when the active batch loaded
         self._validation: Any = None  # this rank's `ValidationShare`, rendered once
 
@@ -203,25 +205,31 @@ class PolicyWorkerBase:
         restored_state: dict | bytes | None = None,
         prefetch_depth: int = 1,
         *,
+        load_during_allreduce: bool = False,
         _otel_carrier: dict | None = None,
     ) -> None:
         """Build this rank's loader from ``factory()`` and restore its position.
 
         ``prefetch_depth`` >= 2 (``data_plane.max_partitions``) wraps it in a
-        `PrefetchingLoader` that reads up to that many batches ahead in a background thread.
+        `PrefetchingLoader` that reads up to that many batches ahead in a background thread;
+        otherwise ``load_during_allreduce`` wraps it in one that reads the next batch while
+        the step's gradients are all-reduced (`finish_train_step`).
         """
         if self._loader is not None:
             raise RuntimeError(f"rank {self.rank}: the SFT dataloader is already set up")
-        if prefetch_depth > 1:
-            from sft_runtime.runtime.data.prefetch import PrefetchingLoader
+        from sft_runtime.runtime.data.prefetch import PrefetchingLoader
 
+        if prefetch_depth > 1:
             loader = PrefetchingLoader(factory, prefetch_depth)
+        elif load_during_allreduce:
+            loader = PrefetchingLoader(factory, 2, background=False)
         else:
             loader = factory()
         from sft_runtime.runtime.checkpoint.loader_states import load_loader_state
 
         loader.setup(load_loader_state(restored_state))
         self._loader = loader
+        self._reads_ahead_in_finish = prefetch_depth <= 1 and load_during_allreduce
 
     def commit_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
         with traced(
@@ -251,6 +259,7 @@ class PolicyWorkerBase:
 
     def close_sft_dataloader(self, *, _otel_carrier: dict | None = None) -> None:
         loader, self._loader = self._loader, None
+        self._reads_ahead_in_finish = False
         if loader is not None:
             loader.close()
 
@@ -270,7 +279,13 @@ class PolicyWorkerBase:
             FINISH_STEP_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.train)
         ):
             self.state.writes.wait_copied()  # a checkpoint being written still reads the weights
-            return self.replica.finish()
+            return self.replica.finish(self._read_ahead if self._reads_ahead_in_finish else None)
+
+    def _read_ahead(self) -> None:
+        """The next step's batch, read while this step's gradients are all-reduced: the
+        one stretch of the step in which this thread only waits for its peers."""
+        with traced(READ_AHEAD_SPAN, attributes={"rank": self.rank}):
+            self._loader.fetch_now()
 
     def start_sft_step(
         self,

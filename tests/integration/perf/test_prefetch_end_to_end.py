@@ -1,5 +1,6 @@
-"""A real run (Ray, energon, torch) with read-ahead: the same losses and samples, bit for bit,
-and a checkpoint taken while batches were read ahead resumes exactly."""
+"""A real run (Ray, energon, torch) with read-ahead, in a thread or during the gradient
+all-reduce: the same losses and samples as without, bit for bit, and a checkpoint taken while
+batches were read ahead resumes exactly."""
 
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ def _committed(run_dir: Path) -> dict[int, tuple[float, float, list[str]]]:
 
 def test_prefetch_gives_bitwise_the_same_run_and_resumes_exactly(ray_session, demo_data, tmp_path):
     config = small_config
-    plain = run_training(config(tmp_path / "plain", demo_data, 6))
+    off = "data_plane.load_during_allreduce=false"
+    plain = run_training(config(tmp_path / "plain", demo_data, 6, off))
     ahead = run_training(config(tmp_path / "ahead", demo_data, 6, "data_plane.max_partitions=2"))
-    assert plain["total_steps"] == ahead["total_steps"] == 6
+    during = run_training(config(tmp_path / "during", demo_data, 6))  # the default
+    assert plain["total_steps"] == ahead["total_steps"] == during["total_steps"] == 6
     reference = _committed(tmp_path / "plain")
     assert _committed(tmp_path / "ahead") == reference
-    assert ahead["consumed_samples"] == plain["consumed_samples"]
+    assert _committed(tmp_path / "during") == reference
+    assert ahead["consumed_samples"] == plain["consumed_samples"] == during["consumed_samples"]
     rows = read_metrics(tmp_path / "ahead" / "metrics.jsonl")
     assert all(r["train"]["loader_latency_max"] >= 0 for r in rows)
 

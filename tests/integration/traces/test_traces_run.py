@@ -44,7 +44,12 @@ def test_a_run_writes_one_jaeger_trace_per_step_across_processes(demo_data, tmp_
         tags = {t["key"]: t["value"] for t in root["tags"]}
         assert tags["step"] == event["step"] and tags["loss"] == event["loss"]
         names = [s["operationName"] for s in trace["spans"]]
-        for name in ("rl.sft_v2.load", "rl.sft_v2.forward_backward", "rl.sft_v2.allreduce"):
+        for name in (
+            "rl.sft_v2.load",
+            "rl.sft_v2.forward_backward",
+            "rl.sft_v2.allreduce",
+            "rl.sft_v2.read_ahead",  # the next step's batch, read during the all-reduce
+        ):
             assert names.count(name) == 2, (name, names)  # one per worker
         assert {"rl.sft_v2.policy_training", "rl.sft_v2.optimizer"} <= set(names)
         assert "rl.sft_v2.event_append" in names
@@ -128,6 +133,7 @@ def _check_step_tree(trace: dict, root: dict, tags: dict) -> None:
     for name in ("rl.sft_v2.load", "rl.sft_v2.begin_step", "rl.sft_v2.forward_backward"):
         assert parent_of[name] == "rl.sft_v2.start_step", name
     assert parent_of["rl.sft_v2.finish_step"] == "rl.sft_v2.policy_training"
+    assert parent_of["rl.sft_v2.read_ahead"] == "rl.sft_v2.allreduce"
     assert parent_of["rl.sft_v2.policy_training"] == "rl.sft_v2.step"
 
 
