@@ -301,12 +301,19 @@ def test_a_failed_fetch_is_raised_in_stream_order():
     ahead.setup()
     try:
         assert [ahead.load(), ahead.commit(), ahead.load(), ahead.commit()] == [0, None, 1, None]
-        with pytest.raises(ValueError, match="bad sample at 2"):
-            ahead.load()
-        ahead.abort()  # the controller's cleanup after a failed load: nothing active
-        assert ahead.load() == 2  # like the plain loader, the next load tries again
+        _fails_then_retries(ahead, 2)
     finally:
         ahead.close()
+
+
+def _fails_then_retries(loader: PrefetchingLoader, index: int) -> None:
+    """The next load raises the failed fetch of batch ``index``; after the controller's
+    cleanup (an abort with nothing active) the load after it tries that batch again, as the
+    plain loader's would."""
+    with pytest.raises(ValueError, match=f"bad sample at {index}"):
+        loader.load()
+    loader.abort()
+    assert loader.load() == index
 
 
 def test_depth_bounds_the_batches_held():
