@@ -4,7 +4,10 @@ Each rank of the plain loop drives its own `ColocatedLoader` inline (load, train
 with a config where loading costs at least a third of a step. sft-runtime reads ahead
 (``data_plane.max_partitions=2``, energon ``num_workers=1``) on one DP worker, which leaves
 a 2-core machine a core to load on. Target: faster (< 1.0x). The same at DP=2 is shown
-without a target: two workers already fill both cores.
+without a target: two workers already fill both cores. Beside them, sft-runtime's default
+(``data_plane.load_during_allreduce``: the next batch read while the gradients are
+all-reduced) and loading inline (``load_during_allreduce=false``), whose load latency is
+what makes the config loading-heavy.
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ def _prefetch(data: Path, tmp: Path) -> list[dict]:
             one["load_frac"] >= 1 / 3,
         ),
         h.row(
+            "step.loading_heavy.dp1.sft_runtime_during_allreduce",
+            one["during"] * ms,
+            "ms",
+            one["ref"] * ms,
+        ),
+        h.row(
             "step.loading_heavy.dp1.loader_latency_max_prefetch",
             one["lat_on"] * ms,
             "ms",
@@ -65,8 +74,12 @@ def _prefetch(data: Path, tmp: Path) -> list[dict]:
         h.row(
             "step.loading_heavy.dp2.sft_runtime_prefetch2", two["on"] * ms, "ms", two["ref"] * ms
         ),
+        h.row("step.loading_heavy.dp2.sft_runtime_inline", two["off"] * ms, "ms", two["ref"] * ms),
         h.row(
-            "step.loading_heavy.dp2.sft_runtime_no_prefetch", two["off"] * ms, "ms", two["ref"] * ms
+            "step.loading_heavy.dp2.sft_runtime_during_allreduce",
+            two["during"] * ms,
+            "ms",
+            two["ref"] * ms,
         ),
         h.row(
             "step.loading_heavy.dp2.loader_latency_max_prefetch2",
@@ -78,8 +91,9 @@ def _prefetch(data: Path, tmp: Path) -> list[dict]:
 
 
 def _loading_case(data: Path, tmp: Path, world: int, energon_on: dict) -> dict[str, float]:
-    """Plain inline loop, sft-runtime with read-ahead (``energon_on`` overrides) and without,
-    alternating for h.ROUNDS rounds; medians of step times, ratios and loader latencies."""
+    """Plain inline loop, sft-runtime with read-ahead (``energon_on`` overrides), loading
+    inline, and reading during the all-reduce (the default), alternating for h.ROUNDS rounds;
+    medians of step times, ratios and loader latencies."""
     got: dict[str, list[float]] = {}
 
     def keep(**values: float) -> None:
@@ -93,14 +107,19 @@ def _loading_case(data: Path, tmp: Path, world: int, energon_on: dict) -> dict[s
         raw_on = h.raw_config(h.LOADING, data, tmp / f"b{world}-on-{i}", h.STEPS, world, prefetch=2)
         raw_on["data"]["energon"].update(energon_on)
         b = h.runtime_run(raw_on)
-        a = h.runtime_run(h.raw_config(h.LOADING, data, tmp / f"b{world}-off-{i}", h.STEPS, world))
-        t_ref, t_on, t_off = (
+        raw_off = h.raw_config(h.LOADING, data, tmp / f"b{world}-off-{i}", h.STEPS, world)
+        raw_off["data_plane"]["load_during_allreduce"] = False
+        a = h.runtime_run(raw_off)
+        c = h.runtime_run(h.raw_config(h.LOADING, data, tmp / f"b{world}-dur-{i}", h.STEPS, world))
+        t_ref, t_on, t_off, t_during = (
             h.step_time(plain["times"]),
             h.step_time(b["times"]),
             h.step_time(a["times"]),
+            h.step_time(c["times"]),
         )
         lat_off = statistics.median(a["load"][h.WARMUP :])
-        keep(ref=t_ref, on=t_on, off=t_off, ratio_on=t_on / t_ref, load_frac=lat_off / t_ref)
+        keep(ref=t_ref, on=t_on, off=t_off, during=t_during)
+        keep(ratio_on=t_on / t_ref, load_frac=lat_off / t_ref)
         keep(lat_off=lat_off, lat_on=statistics.median(b["load"][h.WARMUP :]))
     return {key: statistics.median(values) for key, values in got.items()}
 
