@@ -123,7 +123,12 @@ class Checkpointer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        info = {
+        return CheckpointWrite(self, state, tmp, files, self._info(kinds, metric, attempt))
+
+    def _info(
+        self, kinds: tuple[str, ...], metric: dict[str, float], attempt: int | None
+    ) -> dict[str, Any]:
+        return {
             "kinds": list(kinds),
             **metric,  # "train:<name>": value, as the reference's training_info has it
             "metric_name": self.section.metric_name,
@@ -131,7 +136,6 @@ class Checkpointer:
             "attempt": attempt,
             "num_threads_per_worker": self.num_threads,
         }
-        return CheckpointWrite(self, state, tmp, files, info)
 
     def prune(self) -> list[int]:
         """Apply the retention rules; returns the steps removed."""
@@ -149,6 +153,18 @@ class CheckpointWrite:
     wave: Any  # the workers' writes (`Pending`)
     info: dict[str, Any]
     started: float = field(default_factory=time.perf_counter)
+
+    def describe(
+        self, state: SFTV2SaveState, *, kinds: tuple[str, ...], metric: dict[str, float]
+    ) -> None:
+        """What the checkpoint records, for writes sent before their step was recorded (the
+        state, and the metric it is ranked by, are known only then)."""
+        if state.total_steps != self.state.total_steps:
+            raise RuntimeError(
+                f"checkpoint of step {self.state.total_steps} described as step {state.total_steps}"
+            )
+        self.state = state
+        self.info = self.owner._info(kinds, metric, self.info["attempt"])
 
     def complete(self, loader_states: list[bytes]) -> CheckpointSaved:
         """Wait for the workers, write the rest (``loader_states``: the owners' pickled

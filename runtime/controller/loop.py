@@ -29,10 +29,11 @@ from sft_runtime.runtime.controller.attempt import (
     open_attempt,
     undo_step,
 )
+from sft_runtime.runtime.controller.save_ahead import SaveAhead
+from sft_runtime.runtime.controller.saving import SavePhase
 from sft_runtime.runtime.controller.step_calls import StepCalls
 from sft_runtime.runtime.controller.validation import Validator
 from sft_runtime.runtime.data.factory import build_colocated_loader
-from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.metrics.step_metrics import (
     SFT_V2_TEED_METRICS,
@@ -58,7 +59,6 @@ from sft_runtime.traces.spans import (
     JOB_SPAN,
     PHASE_ATTR,
     POLICY_TRAINING_SPAN,
-    SAVE_SPAN,
     SETUP_SPANS,
     record_error,
     traced,
@@ -81,7 +81,7 @@ SEED_STEPS = (
 embedding user who reads or overrides one changes the path that runs."""
 
 
-class SFTController:
+class SFTController(SavePhase):
     """Drives the policy workers through the machine's states for one attempt of a run."""
 
     def __init__(self, master_config: MasterConfig, actor_args: Any) -> None:
@@ -103,6 +103,7 @@ class SFTController:
         self.tally = RunTally()  # this attempt's committed steps
         self.log = None
         self.calls = StepCalls(self.group, actor_args.loss_fn)
+        self._save_ahead: SaveAhead | None = None  # a periodic save sent with its step
         self.validator = Validator(master_config, self.group)
         self._job = None  # the job span (each step span links to it)
         self._trace: StepTrace | None = None  # the trace of the step in flight
@@ -279,11 +280,12 @@ class SFTController:
         state = replace(self.model.save_state, total_steps=step)
         # this step ends about one mean step from now: would the deadline fire at its end?
         soon = self.model.deadline_within(1)
-        validates = self.validator.due(step, final=self.model.rules.budget_reached(state))
-        if not validates and self.model.rules.continues_after(
-            state, stopping=self._stop.is_set(), timed_out=soon
-        ):
-            self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
+        rules, stopping = self.model.rules, self._stop.is_set()
+        if not self.validator.due(step, final=rules.budget_reached(state)):
+            if rules.continues_after(state, stopping=stopping, timed_out=soon):
+                self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
+            elif not rules.should_stop(state, stopping=stopping, timed_out=soon):
+                self._send_save_ahead(state)  # a save is due, and the run goes on after it
         envelopes = self._load_envelopes(start, step)
         return envelopes, self.group.wait(finish)
 
@@ -299,16 +301,6 @@ class SFTController:
         self.model.batch_loaded()
         return envelopes
 
-    def _send_ahead_past_save(self, state: Any) -> None:
-        """Workers start the next step once their checkpoint files are written, while the
-        controller finishes the checkpoint (unless the run stops: `StepCalls.drop_ahead`)."""
-        timed_out = self.model.save_by_timeout()
-        if not self.model.rules.should_stop(
-            state, stopping=self._stop.is_set(), timed_out=timed_out
-        ):
-            step, attempt = state.total_steps + 1, self._attempt  # the save committed
-            self.calls.send_ahead(step, commit=False, attempt=attempt, job=self._job)
-
     def _policy_metrics(self) -> dict[str, Any]:
         """The last committed step's metrics (what a checkpoint is ranked by)."""
         return dict(self.tally.last)
@@ -317,37 +309,6 @@ class SFTController:
         """One of the group's loader-owner calls (``self.group.close_loaders``, ...), joined to
         this span's trace."""
         return call(carrier=inject_carrier())
-
-    def _loader_state_dicts(self, sent: Pending | None = None) -> list[bytes]:
-        """Each owner's loader state at the last committed step, pickled in the worker (see
-        `dump_loader_state`): the calls a save `sent` ahead of its writes, or sent now."""
-        return self.group.wait(sent if sent is not None else self._send_loader_states())
-
-    def _send_loader_states(self) -> Pending:
-        """The loader-state calls at the last committed step: a start sent ahead is undone,
-        and the step's batch committed by the same call when no start did it."""
-        self.calls.drop_ahead()
-        commit = self.calls.take_commit()
-        return self._owner_call(partial(self.group.send_loader_state_bytes, commit))
-
-    def _should_save(self, *, save_by_timeout: bool) -> bool:
-        """Whether a checkpoint is written now: the machine's save rules moved it to
-        ``saving`` (a save period, the end of the budget, a stop request, or the deadline,
-        whose verdict ``save_by_timeout`` is: the guards read the same latched one)."""
-        saving = self.model.state is ControllerState.saving
-        if save_by_timeout and self.model.rules.checkpointing and not saving:
-            unsaved = self.model.save_state.total_steps > self.model.last_saved_step
-            if unsaved:
-                raise RuntimeError(
-                    "the deadline passed with unsaved steps but the machine is not saving"
-                )
-        return saving
-
-    def _checkpoint_metric(self, metrics: dict[str, Any]) -> dict[str, float]:
-        """``{"train:<name>": value}`` for ``checkpointing.metric_name`` (``{}`` without
-        one; ``val:<name>`` from the latest validation); the config refuses an unknown name
-        before Ray starts."""
-        return self.checkpointer.metric(metrics, self.validator.latest)
 
     def _validate_if_due(self) -> None:
         """A validation pass on the weights of the last committed step, when one is due
@@ -359,33 +320,6 @@ class SFTController:
         metrics = self.validator.run(step, self.model, self._attempt)
         self.metrics.log(step, metrics, prefix="val")
 
-    def _save_checkpoint(self) -> None:
-        """Write the checkpoint of the save state; the workers go on to the next step (sent
-        behind their files) while the controller completes the directory."""
-        state, rules, attempt = self.model.save_state, self.model.rules, self._attempt
-        stopping, timed_out = self.model.stop_requested, self.model.save_by_timeout()
-        kinds = rules.save_kinds(state, stopping=stopping, timed_out=timed_out)
-        metrics = self._policy_metrics()
-        with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
-            states = self._send_loader_states()  # run by the workers before their writes
-            write = self.checkpointer.begin(
-                state,
-                kinds=kinds,
-                metric=self._checkpoint_metric(metrics) if metrics else {},
-                attempt=attempt,
-                final=rules.budget_reached(state),
-                carrier=inject_carrier(),
-            )
-            try:
-                self._send_ahead_past_save(state)
-                loader_states = self._loader_state_dicts(states)
-            except BaseException:
-                quietly("discard the checkpoint", write.discard)
-                raise
-            self.model.saved(event=write.complete(loader_states))
-        fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
-        quietly("prune old checkpoints", self.checkpointer.prune)
-
     def _close_loaders(self) -> None:
         """The last step's batch committed (a start sent ahead undone), then the loaders closed."""
         try:
@@ -395,9 +329,11 @@ class SFTController:
             self._owner_call(self.group.close_loaders)
 
     def _abort_step(self, exc: BaseException, in_flight: StepInFlight) -> None:
+        self._discard_save_ahead()
         undo_step(exc, in_flight, calls=self.calls, group=self.group, model=self.model)
 
     def _close(self, reason: str, error: BaseException | None) -> None:
+        self._discard_save_ahead()  # a step recorded, then the run failed before its save
         telemetry = self.config.telemetry
         self._flush_by = end_attempt(
             reason,

@@ -249,12 +249,14 @@ class PolicyWorkerBase:
         self, commit_first: bool = False, *, _otel_carrier: dict | None = None
     ) -> bytes:
         """The state, pickled here: the controller writes it without unpickling it. With
-        ``commit_first`` the last recorded step's batch is committed first (a checkpoint
-        needs both, and one call saves a hand-over while the worker waits)."""
+        ``commit_first`` the last step's batch is committed first (a checkpoint needs both,
+        and one call saves a hand-over while the worker waits), if (and only if) that step
+        finished here, as a start's ``commit_previous``: a save sent before its step was
+        recorded fails instead when the step did not finish."""
         from sft_runtime.runtime.checkpoint.loader_states import dump_loader_state
 
         if commit_first:
-            self.commit_sft_batch(_otel_carrier=_otel_carrier)
+            self._commit_finished_batch(_otel_carrier)
         return dump_loader_state(self._require_loader().state_dict())
 
     def close_sft_dataloader(self, *, _otel_carrier: dict | None = None) -> None:
@@ -359,14 +361,14 @@ class PolicyWorkerBase:
         with traced(FORWARD_BACKWARD_SPAN, attributes=self._attrs(StepPhase.train)):
             return self.replica.train(error=error)["forward_backward_s"]
 
-    def _commit_finished_batch(self) -> None:
+    def _commit_finished_batch(self, carrier: dict | None = None) -> None:
         done = self._batch_step
         if done is not None and (self.replica.step_open or self.replica.steps_done != done + 1):
             raise RuntimeError(
                 f"rank {self.rank}: the step trained on the active batch did not finish; "
                 "the batch is not committed"
             )
-        self.commit_sft_batch()
+        self.commit_sft_batch(_otel_carrier=carrier)
 
     def abort_train_step(self, *, _otel_carrier: dict | None = None) -> StepUndone:
         """Drop the open step's gradients; weights and optimizer stay bitwise unchanged."""
