@@ -17,10 +17,12 @@ TRACER_NAME = "sft_runtime"
 TRACER = trace.get_tracer(TRACER_NAME)
 
 
-def inject_carrier() -> dict[str, str]:
-    """The current span context as a W3C ``traceparent`` carrier (empty when none)."""
+def inject_carrier(span: Any = None) -> dict[str, str]:
+    """The current span context (or ``span``'s) as a W3C ``traceparent`` carrier (empty when
+    none)."""
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    context = None if span is None else trace.set_span_in_context(span)
+    propagate.inject(carrier, context=context)
     return carrier
 
 

@@ -63,11 +63,7 @@ class SaveAhead:
         if attempt is not None:
             attributes["attempt"] = attempt
         span = TRACER.start_span(SAVE_SPAN, context=context, attributes=attributes)
-        token = otel_context.attach(trace.set_span_in_context(span))
-        try:
-            carrier = inject_carrier()
-        finally:
-            otel_context.detach(token)
+        carrier = inject_carrier(span)
         states = group.send_loader_state_bytes(True, carrier=carrier)
         try:
             write = checkpointer.begin(

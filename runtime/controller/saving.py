@@ -106,14 +106,11 @@ class SavePhase:
         metric = self._checkpoint_metric(metrics) if metrics else {}
         ahead = self._take_save_ahead(state, final="final" in kinds)
         if ahead is not None:
-            span = ahead.current()
+            with ahead.current():
+                ahead.write.describe(state, kinds=kinds, metric=metric)
+                self._complete_save(ahead.states, ahead.write)
         else:
-            span = traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt})
-        with span:
-            if ahead is not None:
-                states, write = ahead.states, ahead.write
-                write.describe(state, kinds=kinds, metric=metric)
-            else:
+            with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
                 states = self._send_loader_states()  # run by the workers before their writes
                 write = self.checkpointer.begin(
                     state,
@@ -123,16 +120,22 @@ class SavePhase:
                     final=rules.budget_reached(state),
                     carrier=inject_carrier(),
                 )
-            try:
-                if ahead is None:
-                    self._send_ahead_past_save(state)
-                loader_states = self._loader_state_dicts(states)
-            except BaseException:
-                quietly("discard the checkpoint", write.discard)
-                raise
-            self.model.saved(event=write.complete(loader_states))
+                self._complete_save(states, write, past=state)
         fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
         quietly("prune old checkpoints", self.checkpointer.prune)
+
+    def _complete_save(self, states: Pending, write: Any, *, past: Any = None) -> None:
+        """Wait for the loader states (first sending the next step's start behind the writes,
+        for a save sent now: ``past`` is its state), complete the directory, record it; the
+        writes are discarded if anything before the completion fails."""
+        try:
+            if past is not None:
+                self._send_ahead_past_save(past)
+            loader_states = self._loader_state_dicts(states)
+        except BaseException:
+            quietly("discard the checkpoint", write.discard)
+            raise
+        self.model.saved(event=write.complete(loader_states))
 
     def _discard_save_ahead(self) -> None:
         ahead, self._save_ahead = self._save_ahead, None
