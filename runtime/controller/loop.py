@@ -49,7 +49,7 @@ from sft_runtime.runtime.policy.calls import Pending
 from sft_runtime.runtime.policy.results import StepFinished, StepStarted
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.liveness import check_driver
-from sft_runtime.runtime.process.niceness import set_niceness
+from sft_runtime.runtime.process.niceness import controller_niceness, set_niceness
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase, fold
 from sft_runtime.traces.context import attached, inject_carrier
 from sft_runtime.traces.metrics import StepInstruments
@@ -119,9 +119,10 @@ class SFTController(SavePhase):
         self._stop.set()
 
     def run_with_trace_context(self, _otel_carrier: dict | None = None) -> dict[str, Any]:
-        """`run` in the controller actor: at the run's niceness (see process/niceness.py), as a
-        child of the driver's span; exports this process's spans at the end."""
-        set_niceness(self.config.cluster.worker_niceness)
+        """`run` in the controller actor: a little nicer than the workers (see
+        process/niceness.py), as a child of the driver's span; exports this process's spans at
+        the end."""
+        set_niceness(controller_niceness(self.config.cluster.worker_niceness))
         telemetry = setup_telemetry(
             self.config.telemetry,
             role="controller",
