@@ -13,9 +13,9 @@ The controller goes a little nicer than that (`controller_niceness`). Its calls 
 ahead, so the workers never wait on it within a step; but it does its bookkeeping for a step
 (the results, the fsynced record, the next calls) just as the workers begin the next one,
 and on a machine whose cores the workers fill, it then takes a core from one of them and the
-other waits for it at the next collective. A few steps nicer, the workers come first at that
-moment, while the controller still gets about a quarter of a core against a busy process,
-far more than the few percent it needs.
+other waits for it at the next collective. Five levels nicer, the workers come first at
+that moment, while the controller still gets about a quarter of a core against a busy
+process: more than twice the tenth of a core it uses.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ RAY_NICENESS_ENV = "RAY_worker_niceness"
 
 CONTROLLER_OFFSET = 5
 """How much nicer than the workers the controller runs: at 5, a busy process at the workers'
-niceness gets three times its share of a core, so the controller yields at a step's start but
-is never starved."""
+niceness gets three times the controller's share of a core, so the controller yields when a
+step begins but is not starved."""
 
 
 def controller_niceness(worker_niceness: int | None) -> int | None:

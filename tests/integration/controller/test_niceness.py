@@ -1,5 +1,5 @@
-"""Every process a run places on Ray runs at ``cluster.worker_niceness`` (the controller a
-few steps nicer: it yields to the workers when a step begins).
+"""Every process a run places on Ray runs at ``cluster.worker_niceness`` (the controller
+`CONTROLLER_OFFSET` nicer: it yields to the workers when a step begins).
 
 Ray starts its worker processes at niceness 15: against any process at niceness 0 they get a
 few percent of a core, so a controller left there stalls the whole run on a busy machine.
