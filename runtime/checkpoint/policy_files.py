@@ -12,8 +12,12 @@ Layout under the paths the controller passes (``<step_dir>/policy/...``):
   rank r, written by every rank: the thread count changes float results, so a resume that
   must be bitwise exact refuses a different one.
 
-Every file goes to a temporary name, is fsynced, then `os.replace`d and its directory
-fsynced, so a crash never leaves a half-written file under the final name.
+Every file goes to a temporary name and is then `os.replace`d, so a crash never leaves a
+half-written file under the final name. Each file is fsynced once: here, with its
+directory, or (``fsync=False``) by whoever makes the whole folder durable before it counts,
+as the controller does with a checkpoint written beside the next steps (`fsync_tree`, then
+the rename that commits it). A worker fsyncing as well doubles the journal commits, and
+does its share of the disk work in the process whose core the next step needs.
 """
 
 from __future__ import annotations
@@ -40,17 +44,20 @@ def rng_file(rank: int) -> str:
     return f"rank_{rank}.pt"
 
 
-def atomic_write(path: str, write: Callable[[io.BufferedWriter], None]) -> None:
-    """Write via ``write(fh)`` to ``path.tmp``, fsync, rename over ``path``, fsync the dir."""
+def atomic_write(
+    path: str, write: Callable[[io.BufferedWriter], None], *, fsync: bool = True
+) -> None:
+    """Write via ``write(fh)`` to ``path.tmp``, fsync, rename over ``path``, fsync the dir
+    (without ``fsync``: the caller makes the folder durable)."""
 
     def produce(tmp: str) -> None:
         with open(tmp, "wb") as fh:
             write(fh)
 
-    atomic_produce(path, produce)
+    atomic_produce(path, produce, fsync=fsync)
 
 
-def atomic_produce(path: str, produce: Callable[[str], None]) -> None:
+def atomic_produce(path: str, produce: Callable[[str], None], *, fsync: bool = True) -> None:
     """`atomic_write` for writers that take a file name: ``produce(tmp_path)`` writes the
     whole file, which is then fsynced, renamed over ``path``, and its directory fsynced."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -58,15 +65,18 @@ def atomic_produce(path: str, produce: Callable[[str], None]) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         produce(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    if not fsync:
+        return
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -97,7 +107,11 @@ def shard_names(count: int) -> list[str]:
 
 
 def save_weights(
-    directory: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES
+    directory: str,
+    tensors: dict[str, torch.Tensor],
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    *,
+    fsync: bool = True,
 ) -> list[str]:
     """Write the weights as Hugging Face lays them out: ``model.safetensors``, or past
     ``max_shard_bytes`` ``model-0000k-of-0000n.safetensors`` plus the index that maps every
@@ -108,7 +122,9 @@ def save_weights(
     for name, shard in zip(names, shards, strict=True):
         path = os.path.join(directory, name)
         atomic_produce(
-            path, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"})
+            path,
+            lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}),
+            fsync=fsync,
         )
         written.append(path)
     if len(shards) > 1:
@@ -120,7 +136,7 @@ def save_weights(
         }
         path = os.path.join(directory, WEIGHTS_INDEX)
         data = json.dumps(index, indent=2, sort_keys=True).encode()
-        atomic_write(path, lambda fh: fh.write(data))
+        atomic_write(path, lambda fh: fh.write(data), fsync=fsync)
         written.append(path)
     return written
 
@@ -131,8 +147,8 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
     return read_all(directory)
 
 
-def save_torch(path: str, obj: Any) -> str:
-    atomic_write(path, lambda fh: torch.save(obj, fh))
+def save_torch(path: str, obj: Any, *, fsync: bool = True) -> str:
+    atomic_write(path, lambda fh: torch.save(obj, fh), fsync=fsync)
     return path
 
 

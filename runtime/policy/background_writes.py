@@ -4,10 +4,10 @@ A worker's share of a checkpoint (weights, AdamW state, RNG, the model's config 
 tokenizer) takes tens of milliseconds to serialise and write even for a small model, and the
 step queued behind the save would wait for all of it. Instead one writer thread copies what
 the files hold and writes them while the next step trains; the controller learns that the
-files are durable from a second call (`checkpoint_written`), served by another of the
-actor's threads, so it never queues behind a step. The controller commits the directory
-only after every rank has answered that call, so the checkpoint protocol is unchanged: a
-crash before then leaves a ``tmp_step_N`` that is never taken for a checkpoint.
+files are written from a second call (`checkpoint_written`), served by another of the
+actor's threads, so it never queues behind a step. The controller fsyncs and commits the
+directory only after every rank has answered that call, so the checkpoint protocol is
+unchanged: a crash before then leaves a ``tmp_step_N`` that is never taken for a checkpoint.
 
 The copies are taken in the writer thread too, while the next step loads and runs its
 forward and backward: those read the weights and the optimizer state but never change them.

@@ -115,7 +115,8 @@ class WorkerCalls:
     ) -> Pending:
         """Every worker writes its share of the policy files (rank 0 also the tokenizer).
         With `background`, the workers take what the files hold and write them while the
-        next calls run; the calls returned end when the files are durable either way."""
+        next calls run; the calls returned end when the files are written either way (and
+        fsynced without `background`: with it, the caller fsyncs the folder, `fsync_tree`)."""
         args = (weights_path, optimizer_path, tokenizer_path, final)
         if not background:
             return self._submit("save_checkpoint", *args, rng_path=rng_path, _otel_carrier=carrier)

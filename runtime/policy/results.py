@@ -50,7 +50,8 @@ class StepUndone:
 
 @dataclass(frozen=True)
 class CheckpointFiles:
-    """`save_checkpoint` / `checkpoint_written`: the files this rank wrote, durable."""
+    """`save_checkpoint` / `checkpoint_written`: the files this rank wrote (fsynced by
+    `save_checkpoint`; by the caller with their folder after `checkpoint_written`)."""
 
     rank: int
     step: int

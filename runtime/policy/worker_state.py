@@ -66,7 +66,7 @@ class WorkerState:
         """
         writes = self._checkpoint_writes(
             weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path, Copies()
-        )
+        )  # fsynced here: the caller may count on them on their own
         files = [path for write in writes for path in write()]
         return CheckpointFiles(self.rank, self.replica.steps_done, tuple(files))
 
@@ -82,13 +82,21 @@ class WorkerState:
     ) -> CheckpointFiles:
         """`save_checkpoint` with the writing done by a thread while the next steps train
         (see `runtime.policy.background_writes`); `checkpoint_written(weights_path)` returns
-        what `save_checkpoint` would. A sharded save is a collective in step with the peers:
-        it is written here. Never raises: an error is `checkpoint_written`'s to report."""
+        what `save_checkpoint` would. The files are not fsynced one by one: they belong in a
+        checkpoint folder whose caller fsyncs it whole before it commits it (`fsync_tree`).
+        A sharded save is a collective in step with the peers: it is written here. Never
+        raises: an error is `checkpoint_written`'s to report."""
         result = {"rank": self.rank, "step": self.replica.steps_done}
         copies = Copies()
         try:
             writes = self._checkpoint_writes(
-                weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path, copies
+                weights_path,
+                optimizer_path,
+                tokenizer_path,
+                is_final_checkpoint,
+                rng_path,
+                copies,
+                fsync=False,
             )
             if self.replica.sharded:  # a collective: written now, in step with the peers
                 files = [path for write in writes for path in write()]
@@ -102,8 +110,9 @@ class WorkerState:
     def checkpoint_written(
         self, weights_path: str, *, _otel_carrier: dict | None = None
     ) -> CheckpointFiles:
-        """The files of the checkpoint `begin_checkpoint` handed over, once written and
-        fsynced. Served by a thread of its own, so it does not queue behind the steps."""
+        """The files of the checkpoint `begin_checkpoint` handed over, once written (the
+        caller fsyncs the folder). Served by a thread of its own, so it does not queue behind
+        the steps."""
         done = self.writes.wait(weights_path)
         return CheckpointFiles(done["rank"], done["step"], tuple(done["files"]))
 
@@ -115,10 +124,14 @@ class WorkerState:
         is_final_checkpoint: bool,
         rng_path: str | None,
         copies: Copies,
+        *,
+        fsync: bool = True,
     ) -> list[Write]:
         """This rank's share of a checkpoint as writes to run. The weights and optimizer
         state they write are registered in ``copies``: copied by `Copies.take` when the writes
-        run beside the next step, or else read by each write when it runs."""
+        run beside the next step, or else read by each write when it runs. Without ``fsync``
+        the files are left for the caller to fsync with their folder (the tokenizer and the
+        model config always are)."""
         if self.replica.step_open:
             raise RuntimeError(f"rank {self.rank}: cannot save while a train step is open")
         writes: list[Write] = []
@@ -127,7 +140,7 @@ class WorkerState:
             if optimizer_path is not None and self.rank == 0:
                 path = os.path.join(optimizer_path, sharded.TRAINER_STATE)
                 state = {**self.replica.trainer_state(), "is_final_checkpoint": is_final_checkpoint}
-                writes.append(lambda: [ckpt.save_torch(path, state)])
+                writes.append(lambda: [ckpt.save_torch(path, state, fsync=fsync)])
         elif optimizer_path is not None and self.rank == 1 % self.world_size:
             opt_path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
             final = bool(is_final_checkpoint)
@@ -136,15 +149,16 @@ class WorkerState:
                 lambda: {**self.replica.optimizer_state(), "is_final_checkpoint": final},
                 _to_cpu,
             )
-            writes.append(lambda: [ckpt.save_torch(opt_path, opt())])
+            writes.append(lambda: [ckpt.save_torch(opt_path, opt(), fsync=fsync)])
         if self.rank == 0:
             if not self.replica.sharded:  # a CPU copy either way: never two held at once
                 weights = copies.add("weights", self.replica.weights)
-                writes.append(lambda: ckpt.save_weights(weights_path, weights()))
+                writes.append(lambda: ckpt.save_weights(weights_path, weights(), fsync=fsync))
             if self.replica.lora_targets is not None:  # adapters: name the base they need
                 record = self._lora_record()
                 base_file = os.path.join(weights_path, BASE_FILE)
-                writes.append(lambda: [ckpt.atomic_write(base_file, lambda fh: fh.write(record))])
+                write = lambda fh: fh.write(record)  # noqa: E731
+                writes.append(lambda: [ckpt.atomic_write(base_file, write, fsync=fsync)])
             elif self.replica.is_hf:
                 model = self.replica.model  # only its config is read
                 writes.append(lambda: write_hf_config(model, weights_path, dtype=torch.float32))
@@ -154,7 +168,7 @@ class WorkerState:
         rng_dir = rng_path or _default_rng_dir(weights_path)
         rng_file = os.path.join(rng_dir, ckpt.rng_file(self.rank))
         rng = ckpt.capture_rng(self.num_threads)
-        writes.append(lambda: [ckpt.save_torch(rng_file, rng)])
+        writes.append(lambda: [ckpt.save_torch(rng_file, rng, fsync=fsync)])
         return writes
 
     def _lora_record(self) -> bytes:

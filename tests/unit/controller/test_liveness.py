@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
 
 import pytest
 
+from sft_runtime.runtime.process import liveness
 from sft_runtime.runtime.process.liveness import (
     DriverGone,
     check_driver,
@@ -22,6 +24,8 @@ def test_alive_zombie_reaped_and_other_host():
     try:
         assert driver_alive(info) is True
         check_driver(info)
+        if hasattr(os, "pidfd_open"):  # Linux: the checks poll a pidfd opened once
+            assert liveness._watches[proc.pid] is not None
         proc.kill()
         deadline = time.monotonic() + 120  # a bounded wait, not a timing claim
         while driver_alive(info) and time.monotonic() < deadline:
