@@ -321,7 +321,7 @@ def acquire_lock(path: Path, owner: dict | None = None) -> int:
     return fd
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path | str) -> None:
     """Make a directory's entries (a new or renamed file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:

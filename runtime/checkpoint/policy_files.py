@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from sft_runtime.events.log import fsync_dir
 from sft_runtime.runtime.checkpoint.weight_reader import WEIGHTS_FILE, WEIGHTS_INDEX, read_all
 from sft_runtime.runtime.errors import UserInputError
 
@@ -75,13 +76,8 @@ def atomic_produce(path: str, produce: Callable[[str], None], *, fsync: bool = T
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    if not fsync:
-        return
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    if fsync:
+        fsync_dir(directory)
 
 
 def weight_shards(

@@ -25,7 +25,7 @@ class DriverGone(RuntimeError):
 
 def driver_identity() -> dict[str, Any]:
     """Recorded by setup (in `train_cluster`) and by the controller (in the run lock)."""
-    return {"driver_pid": os.getpid(), "driver_host": socket.gethostname()}
+    return {"driver_pid": os.getpid(), "driver_host": _HOST}
 
 
 def driver_alive(info: dict[str, Any]) -> bool | None:
