@@ -13,7 +13,9 @@ Layout under the paths the controller passes (``<step_dir>/policy/...``):
   must be bitwise exact refuses a different one.
 
 Every file goes to a temporary name and is then `os.replace`d, so a crash never leaves a
-half-written file under the final name. Each file is fsynced once: here, with its
+half-written file under the final name; the bytes go past the page cache where the
+filesystem allows it (`direct_io`: on a VM, fresh page-cache pages cost the writer more CPU
+than the rest of the save). Each file is fsynced once: here, with its
 directory, or (``fsync=False``) by whoever makes the whole folder durable before it counts,
 as the controller does with a checkpoint written beside the next steps (`fsync_tree`, then
 the rename that commits it). A worker fsyncing as well doubles the journal commits, and
@@ -22,7 +24,6 @@ does its share of the disk work in the process whose core the next step needs.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random
@@ -31,9 +32,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from sft_runtime.events.log import fsync_dir
+from sft_runtime.runtime.checkpoint.direct_io import DirectFile, write_safetensors
 from sft_runtime.runtime.checkpoint.weight_reader import WEIGHTS_FILE, WEIGHTS_INDEX, read_all
 from sft_runtime.runtime.errors import UserInputError
 
@@ -45,27 +46,16 @@ def rng_file(rank: int) -> str:
     return f"rank_{rank}.pt"
 
 
-def atomic_write(
-    path: str, write: Callable[[io.BufferedWriter], None], *, fsync: bool = True
-) -> None:
-    """Write via ``write(fh)`` to ``path.tmp``, fsync, rename over ``path``, fsync the dir
-    (without ``fsync``: the caller makes the folder durable)."""
-
-    def produce(tmp: str) -> None:
-        with open(tmp, "wb") as fh:
-            write(fh)
-
-    atomic_produce(path, produce, fsync=fsync)
-
-
-def atomic_produce(path: str, produce: Callable[[str], None], *, fsync: bool = True) -> None:
-    """`atomic_write` for writers that take a file name: ``produce(tmp_path)`` writes the
-    whole file, which is then fsynced, renamed over ``path``, and its directory fsynced."""
+def atomic_write(path: str, write: Callable[[DirectFile], None], *, fsync: bool = True) -> None:
+    """Write via ``write(fh)`` to ``path.tmp`` (a `DirectFile`: past the page cache where
+    the filesystem allows), fsync, rename over ``path``, fsync the dir (without ``fsync``:
+    the caller makes the folder durable)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        produce(tmp)
+        with DirectFile(tmp) as fh:
+            write(fh)
         if fsync:
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -111,15 +101,16 @@ def save_weights(
 ) -> list[str]:
     """Write the weights as Hugging Face lays them out: ``model.safetensors``, or past
     ``max_shard_bytes`` ``model-0000k-of-0000n.safetensors`` plus the index that maps every
-    name to its file. safetensors' own file writer keeps no second copy in memory."""
+    name to its file (`write_safetensors`: one tensor's bytes on the host at a time, so the
+    tensors may be the live ones, on any device)."""
     shards = weight_shards(tensors, max_shard_bytes)
     names = [WEIGHTS_FILE] if len(shards) == 1 else shard_names(len(shards))
     written = []
     for name, shard in zip(names, shards, strict=True):
         path = os.path.join(directory, name)
-        atomic_produce(
+        atomic_write(
             path,
-            lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}),
+            lambda fh, shard=shard: write_safetensors(fh, shard, {"format": "pt"}),
             fsync=fsync,
         )
         written.append(path)

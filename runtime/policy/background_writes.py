@@ -23,6 +23,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 Write = Callable[[], list[str]]  # writes some files, returns their paths
 
 
@@ -94,23 +96,60 @@ class BackgroundWrites:
 
 class Copies:
     """The values a checkpoint's writes hold, by name: copied all at once by `take` (in the
-    writer thread, before the writes), or else each read when its write asks for it."""
+    writer thread, before the writes, into `staging`), or else each read when its write
+    asks for it."""
 
-    def __init__(self) -> None:
-        self._read: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {}
+    def __init__(self, staging: Staging | None = None) -> None:
+        self._staging = staging if staging is not None else Staging()
+        self._read: dict[str, Callable[[], Any]] = {}
         self._taken: dict[str, Any] = {}
 
-    def add(
-        self, name: str, read: Callable[[], Any], copy: Callable[[Any], Any] = lambda v: v
-    ) -> Callable[[], Any]:
-        """Register how to read ``name`` and to copy what was read (for `take`); returns
-        what a write calls for its value."""
-        self._read[name] = (read, copy)
+    def add(self, name: str, read: Callable[[], Any]) -> Callable[[], Any]:
+        """Register how to read ``name`` (tensors may be the live ones: `take` copies them);
+        returns what a write calls for its value."""
+        self._read[name] = read
         return lambda: self._taken.pop(name) if name in self._taken else read()
 
     def take(self) -> None:
-        for name, (read, copy) in self._read.items():
-            self._taken[name] = copy(read())
+        for name, read in self._read.items():
+            self._taken[name] = self._staging.copy(name, read())
 
     def __bool__(self) -> bool:
         return bool(self._read)
+
+
+class Staging:
+    """Host buffers a checkpoint's tensors are copied into, kept for the next checkpoint.
+
+    Copying into fresh memory pays a page fault per page, and on a VM that is most of the
+    copy: 6 MB took 2.2 ms into new tensors and 0.1 ms into reused ones. So the buffers
+    stay, one per tensor of what this rank writes (by name and place in the nested dicts
+    and lists), as torchtitan keeps its staging buffers for asynchronous saves. The host
+    memory a checkpoint needs at its peak is the same; it is now held between checkpoints.
+    A checkpoint's writes finish before the next one copies (one writer thread)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, Any] = {}
+
+    def copy(self, name: str, value: Any) -> Any:
+        """``value`` with every tensor replaced by a contiguous CPU copy in a kept buffer;
+        buffers of ``name`` that this value no longer has are dropped."""
+        used: set[tuple] = set()
+        copied = self._copy(value, (name,), used)
+        for key in [k for k in self._buffers if k[0] == name and k not in used]:
+            del self._buffers[key]
+        return copied
+
+    def _copy(self, value: Any, key: tuple, used: set[tuple]) -> Any:
+        if isinstance(value, torch.Tensor):
+            source = value.detach()
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+                buffer = self._buffers[key] = torch.empty(source.shape, dtype=source.dtype)
+            used.add(key)
+            return buffer.copy_(source)
+        if isinstance(value, dict):
+            return {k: self._copy(v, (*key, k), used) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._copy(v, (*key, i), used) for i, v in enumerate(value)]
+        return value

@@ -290,10 +290,13 @@ class Replica:
         return StepUndone(aborted=was_open, step=self.steps_done)
 
     # ----------------------------------------------------------------- state
-    def weights(self, *, include_frozen: bool = False) -> dict[str, torch.Tensor]:
+    def weights(
+        self, *, include_frozen: bool = False, copy: bool = True
+    ) -> dict[str, torch.Tensor]:
         """A copy of parameters and buffers as contiguous CPU tensors (safetensors-ready),
         under the model's own names; a tied weight once. With LoRA, the adapters only (what
-        trains and what a checkpoint holds), unless ``include_frozen``."""
+        trains and what a checkpoint holds), unless ``include_frozen``. Without ``copy``,
+        the live tensors where the replica holds them whole (not sharded)."""
         adapters_only = self.lora and not include_frozen
         if self.sharded:  # a collective: every rank calls it
             state = fsdp.full_state_dict(self.model, trainable_only=adapters_only)
@@ -302,6 +305,8 @@ class Replica:
             state = dict(adapter_parameters(self.model))
         else:
             state = hf_state_dict(self.model) if self.is_hf else self.model.state_dict()
+        if not copy:
+            return {k: v.detach() for k, v in state.items()}
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -19,7 +19,12 @@ from sft_runtime.runtime.checkpoint import sharded
 from sft_runtime.runtime.data.tokenizer import save_tokenizer
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.lora.base import BASE_FILE, base_record, weights_digest
-from sft_runtime.runtime.policy.background_writes import BackgroundWrites, Copies, Write
+from sft_runtime.runtime.policy.background_writes import (
+    BackgroundWrites,
+    Copies,
+    Staging,
+    Write,
+)
 from sft_runtime.runtime.policy.config import PolicyConfig
 from sft_runtime.runtime.policy.hf_model import write_hf_config
 from sft_runtime.runtime.policy.replica import Replica
@@ -44,6 +49,7 @@ class WorkerState:
         self.world_size = world_size
         self.num_threads = num_threads
         self.writes = BackgroundWrites()
+        self.staging = Staging()  # what `begin_checkpoint` copies into, kept between saves
         self._base_digest: str | None = None  # the LoRA base's, computed once
 
     def save_checkpoint(
@@ -87,7 +93,7 @@ class WorkerState:
         A sharded save is a collective in step with the peers: it is written here. Never
         raises: an error is `checkpoint_written`'s to report."""
         result = {"rank": self.rank, "step": self.replica.steps_done}
-        copies = Copies()
+        copies = Copies(self.staging)
         try:
             writes = self._checkpoint_writes(
                 weights_path,
@@ -147,12 +153,11 @@ class WorkerState:
             opt = copies.add(
                 "optimizer",
                 lambda: {**self.replica.optimizer_state(), "is_final_checkpoint": final},
-                _to_cpu,
             )
             writes.append(lambda: [ckpt.save_torch(opt_path, opt(), fsync=fsync)])
         if self.rank == 0:
             if not self.replica.sharded:  # a CPU copy either way: never two held at once
-                weights = copies.add("weights", self.replica.weights)
+                weights = copies.add("weights", lambda: self.replica.weights(copy=False))
                 writes.append(lambda: ckpt.save_weights(weights_path, weights(), fsync=fsync))
             if self.replica.lora_targets is not None:  # adapters: name the base they need
                 record = self._lora_record()

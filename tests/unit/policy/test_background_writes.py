@@ -10,8 +10,9 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
-from sft_runtime.runtime.policy.background_writes import BackgroundWrites, Copies
+from sft_runtime.runtime.policy.background_writes import BackgroundWrites, Copies, Staging
 
 
 def _write(path: Path, text: str):
@@ -81,15 +82,15 @@ def test_a_change_waits_for_the_copy_and_the_files_hold_the_values_before_it(tmp
     """The copy runs in the writer thread; `wait_copied` (what the optimizer step calls
     first) returns only once it has, so a value changed afterwards is not what is written."""
     writes, copies = BackgroundWrites(), Copies()
-    live = {"w": 1}
+    live = {"w": torch.tensor([1.0])}
     gate, copied = threading.Event(), threading.Event()
 
     def read() -> dict:
         gate.wait()
         return live
 
-    value = copies.add("weights", read, lambda v: dict(v))
-    writes.submit("k", [lambda: [_record(tmp_path / "f", value())]], {}, copies.take)
+    value = copies.add("weights", read)
+    writes.submit("k", [lambda: [_record(tmp_path / "f", value()["w"].tolist())]], {}, copies.take)
     changer = threading.Thread(target=lambda: (writes.wait_copied(), copied.set()))
     changer.start()
     try:  # the copy has not run, so the change must not come: however long it is given
@@ -97,9 +98,9 @@ def test_a_change_waits_for_the_copy_and_the_files_hold_the_values_before_it(tmp
     finally:
         gate.set()
     changer.join()
-    live["w"] = 2  # the change, after the wait
+    live["w"].add_(1)  # the change, in place as an optimizer step makes it, after the wait
     assert writes.wait("k")["files"] == [str(tmp_path / "f")]
-    assert (tmp_path / "f").read_text() == "{'w': 1}"
+    assert (tmp_path / "f").read_text() == "[1.0]"
 
 
 def test_a_copy_that_fails_fails_its_checkpoint_and_releases_the_step(tmp_path):
@@ -119,7 +120,7 @@ def test_a_copy_that_fails_fails_its_checkpoint_and_releases_the_step(tmp_path):
 def test_without_take_each_write_reads_its_value_when_it_runs():
     """The synchronous save: nothing is copied ahead, a write reads the live value."""
     copies, live = Copies(), {"w": 1}
-    value = copies.add("weights", lambda: dict(live), lambda v: {"copied": v})
+    value = copies.add("weights", lambda: dict(live))
     live["w"] = 2
     assert value() == {"w": 2}
     assert not Copies() and copies
@@ -128,3 +129,31 @@ def test_without_take_each_write_reads_its_value_when_it_runs():
 def _record(path: Path, value) -> str:
     path.write_text(repr(value))
     return str(path)
+
+
+def test_staging_copies_into_the_same_buffers_checkpoint_after_checkpoint():
+    """The second checkpoint's copy lands in the first one's buffers (no fresh memory), holds
+    the values at its own time, and keeps the nesting and the values that are not tensors."""
+    staging = Staging()
+    live = {"state": {0: {"exp_avg": torch.zeros(3), "step": torch.tensor(1.0)}}, "lr": [0.1]}
+    first = staging.copy("optimizer", live)
+    pointer = first["state"][0]["exp_avg"].data_ptr()
+    assert pointer != live["state"][0]["exp_avg"].data_ptr()
+    live["state"][0]["exp_avg"].add_(2)
+    assert first["state"][0]["exp_avg"].tolist() == [0.0, 0.0, 0.0]  # a copy, not a view
+    second = staging.copy("optimizer", live)
+    assert second["state"][0]["exp_avg"].data_ptr() == pointer
+    assert second["state"][0]["exp_avg"].tolist() == [2.0, 2.0, 2.0]
+    assert second["lr"] == [0.1] and second["state"][0]["step"].item() == 1.0
+
+
+def test_staging_makes_a_new_buffer_for_a_new_shape_and_drops_what_is_gone():
+    staging = Staging()
+    first = staging.copy("weights", {"a": torch.ones(2), "b": torch.ones(4)})
+    other = staging.copy("optimizer", {"a": torch.ones(2)})
+    second = staging.copy("weights", {"a": torch.ones(3, dtype=torch.float64)})
+    assert second["a"].shape == (3,) and second["a"].dtype == torch.float64
+    assert second["a"].data_ptr() != first["a"].data_ptr()
+    again = staging.copy("weights", {"a": torch.ones(3, dtype=torch.float64), "b": torch.ones(4)})
+    assert again["b"].data_ptr() != first["b"].data_ptr()  # "b" was dropped in between
+    assert staging.copy("optimizer", {"a": torch.ones(2)})["a"].data_ptr() == other["a"].data_ptr()
