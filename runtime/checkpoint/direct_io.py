@@ -31,6 +31,7 @@ import torch
 CHUNK = 4 * 2**20  # bytes per direct write: a multiple of every device's block size
 BLOCK = 4096  # what a direct write's length, offset and buffer address are aligned to
 _DIRECT = getattr(os, "O_DIRECT", 0)  # Linux only
+_REFUSALS = (errno.EINVAL, errno.EOPNOTSUPP)  # how a filesystem says it has no direct I/O
 _buffers = threading.local()  # one buffer per writing thread: never shared by two files
 
 SAFETENSORS_DTYPES = {
@@ -61,7 +62,7 @@ class DirectFile:
         try:
             self.fd = os.open(path, flags | _DIRECT, 0o644)
         except OSError as exc:
-            if not self.direct or exc.errno != errno.EINVAL:
+            if not self.direct or exc.errno not in _REFUSALS:
                 raise
             self.fd, self.direct = os.open(path, flags, 0o644), False
         self._buf = _buffer()
@@ -96,7 +97,7 @@ class DirectFile:
             try:
                 done += os.write(self.fd, self._view[done:length])
             except OSError as exc:  # a filesystem that takes the open but not the write
-                if not self.direct or exc.errno != errno.EINVAL:
+                if not self.direct or exc.errno not in _REFUSALS:
                     raise
                 self._buffered()
         self._fill = 0

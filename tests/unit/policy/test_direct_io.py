@@ -82,12 +82,13 @@ def test_a_dtype_safetensors_lacks_is_refused_by_name(tmp_path):
         write_safetensors(fh, {"odd": torch.zeros(2, dtype=torch.complex64)})
 
 
-def test_a_filesystem_that_refuses_direct_opens_gets_a_plain_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_filesystem_that_refuses_direct_opens_gets_a_plain_file(tmp_path, monkeypatch, refusal):
     real_open = os.open
 
     def refuse_direct(path, flags, *args):
         if flags & direct_io._DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(refusal, os.strerror(refusal))
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(direct_io, "_DIRECT", getattr(os, "O_DIRECT", 0o40000))
@@ -129,3 +130,8 @@ def test_two_files_open_at_once_in_one_thread_do_not_share_a_buffer(tmp_path):
             fa.write(a[i : i + (1 << 16)])
             fb.write(b[i : i + (1 << 16)])
     assert (tmp_path / "a").read_bytes() == a and (tmp_path / "b").read_bytes() == b
+
+
+def test_another_open_error_is_not_taken_for_a_refusal(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        DirectFile(str(tmp_path / "no" / "such" / "folder" / "f"))
