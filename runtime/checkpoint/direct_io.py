@@ -5,13 +5,14 @@ Written the usual way, every byte is first copied into freshly allocated page-ca
 and on a virtual machine a fresh page is expensive: measured on a 2-core VM, 1-2 ms of CPU
 per MB, so a 6 MB share took 15 ms of the writer thread against under 5 ms written direct
 (an fsync included). With ``O_DIRECT`` the device reads the bytes from our own buffer; that
-buffer is allocated once per process and reused by every file, so its pages are paid once.
+buffer is allocated once per writing thread and reused by every file the thread writes, so
+its pages are paid once.
 
 `DirectFile` is a write-only file object (what `torch.save` and `write_safetensors` write
 to) that gathers the bytes into that buffer and writes it out a block-aligned chunk at a
 time; the tail is padded to a block and the file then cut to its true length. A
-filesystem that refuses ``O_DIRECT`` (tmpfs, some network filesystems) or a platform
-without it gets the same bytes written the usual way. Durability is unchanged: a direct
+filesystem that refuses ``O_DIRECT`` (older kernels' tmpfs, some network filesystems) or a
+platform without it gets the same bytes written the usual way. Durability is unchanged: a direct
 write still needs the fsync that makes the file's size and metadata durable, which the
 caller does (or the controller's `fsync_tree` over the whole checkpoint).
 """
