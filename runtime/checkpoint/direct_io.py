@@ -29,18 +29,15 @@ from collections.abc import Mapping
 
 import torch
 
+from sft_runtime.runtime.checkpoint.weight_reader import SAFETENSORS_DTYPES
+
 CHUNK = 4 * 2**20  # bytes per direct write: a multiple of every device's block size
 BLOCK = 4096  # what a direct write's length, offset and buffer address are aligned to
 _DIRECT = getattr(os, "O_DIRECT", 0)  # Linux only
 _REFUSALS = (errno.EINVAL, errno.EOPNOTSUPP)  # how a filesystem says it has no direct I/O
 _buffers = threading.local()  # one buffer per writing thread: never shared by two files
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def _buffer() -> mmap.mmap:
@@ -145,7 +142,7 @@ def write_safetensors(
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, tensor in tensors.items():
-        dtype = SAFETENSORS_DTYPES.get(tensor.dtype)
+        dtype = _DTYPE_NAMES.get(tensor.dtype)
         if dtype is None:
             raise ValueError(f"{name}: safetensors has no dtype for {tensor.dtype}")
         nbytes = tensor.numel() * tensor.element_size()
