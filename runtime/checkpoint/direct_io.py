@@ -35,20 +35,16 @@ CHUNK = 4 * 2**20  # bytes per direct write: a multiple of every device's block 
 BLOCK = 4096  # what a direct write's length, offset and buffer address are aligned to
 _DIRECT = getattr(os, "O_DIRECT", 0)  # Linux only
 _REFUSALS = (errno.EINVAL, errno.EOPNOTSUPP)  # how a filesystem says it has no direct I/O
-_buffers = threading.local()  # one buffer per writing thread: never shared by two files
+_buffers = threading.local()  # each thread's free buffers: an open file holds its own
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
-def _buffer() -> mmap.mmap:
-    """This thread's chunk buffer (page-aligned, as anonymous maps are), or a buffer of its
-    own for a file opened while another is open in the same thread."""
-    if getattr(_buffers, "busy", False):
-        return mmap.mmap(-1, CHUNK)
-    buf = getattr(_buffers, "chunk", None)
-    if buf is None:
-        buf = _buffers.chunk = mmap.mmap(-1, CHUNK)
-    return buf
+def _take_buffer() -> mmap.mmap:
+    """A chunk buffer (page-aligned, as anonymous maps are) from this thread's free ones;
+    a new one only when every buffer the thread has is in an open file."""
+    free = _buffers.__dict__.setdefault("free", [])
+    return free.pop() if free else mmap.mmap(-1, CHUNK)
 
 
 class DirectFile:
@@ -63,10 +59,7 @@ class DirectFile:
             if not self.direct or exc.errno not in _REFUSALS:
                 raise
             self.fd, self.direct = os.open(path, flags, 0o644), False
-        self._buf = _buffer()
-        self._shared = self._buf is getattr(_buffers, "chunk", None)
-        if self._shared:
-            _buffers.busy = True
+        self._buf = _take_buffer()
         self._view = memoryview(self._buf)
         self._fill = 0  # bytes waiting in the buffer
         self.size = 0  # bytes taken so far
@@ -121,8 +114,7 @@ class DirectFile:
                     self._drain(tail)
         finally:
             self._view.release()
-            if self._shared:
-                _buffers.busy = False
+            _buffers.__dict__.setdefault("free", []).append(self._buf)
             os.close(self.fd)
             self.fd = -1
 
