@@ -2,10 +2,12 @@
 
 On a machine whose cores are all busy, the CPU rows (`bench.cpu_share`) say which process
 takes the time; these say what a worker waits on within a step. Each worker runs a step as
-two Ray calls (`start_step`: load, begin, forward/backward; `finish_step`: gradient
-all-reduce, during which the next batch is read (`read_ahead`), and the optimizer), sent
-ahead so that the next is queued when one ends: whatever time lies between a worker's calls
-is Ray taking one reply and dispatching the next, a cost the plain loop does not have. The
+one Ray call of two spans (`start_step`: load, begin, forward/backward; `finish_step`:
+gradient all-reduce, during which the next batch is read (`read_ahead`), and the
+optimizer), sent ahead so that the next is queued when one ends: the time between a step's
+`finish_step` and the next `start_step` is Ray taking one reply and dispatching the next
+call, a cost the plain loop does not have (the time between a step's two spans is a few
+microseconds inside the call). The
 plain loop times the same phases itself (`PlainLoop.step`), so each phase can be set beside
 its own.
 """
@@ -17,7 +19,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-CALLS = ("start_step", "finish_step")  # a worker's two calls of a step
+CALLS = ("start_step", "finish_step")  # the two halves of a worker's step call
 # a step's phases: the worker's span names, and what the plain loop times (`PlainLoop.step`)
 PHASES = ("load", "begin_step", "forward_backward", "allreduce", "optimizer")
 NESTED = ("read_ahead",)  # inside a phase (the next batch, read during the all-reduce)

@@ -135,6 +135,9 @@ class ControllerModel:
         self.save_state = save_state or initial_save_state()
         self.clock = clock
         self.stop_requested = False
+        # the workers already run the next step (sent whole, it cannot be taken back): a
+        # stop request or the deadline takes effect after it, never before
+        self.step_ahead = False
         self.last_saved_step = self.save_state.total_steps  # a resume starts from a checkpoint
         self.next_state = self.save_state  # what the trigger being fired would make of it
         self.pace = StepPace()
@@ -148,6 +151,17 @@ class ControllerModel:
         if not self._timed_out:
             self._timed_out = self.rules.timed_out(self.clock(), self.pace.mean_step_s)
         return self._timed_out
+
+    def deadline_verdict(self) -> bool:
+        """`save_by_timeout`, unless a step is ahead: that one is recorded first."""
+        return False if self.step_ahead else self.save_by_timeout()
+
+    def stop_verdicts(self) -> tuple[bool, bool]:
+        """(stopping, timed out) as the save rules read them now: neither while a step is
+        ahead (`step_ahead`)."""
+        if self.step_ahead:
+            return False, False
+        return self.stop_requested, self.save_by_timeout()
 
     def deadline_within(self, steps: int) -> bool:
         """The deadline would fire within ``steps`` more steps of the mean length (a forecast
@@ -175,14 +189,12 @@ class ControllerModel:
         return self.rules.checkpointing and self.save_state.total_steps > self.last_saved_step
 
     def save_due(self, event: EventData) -> bool:
-        return self.rules.save_due(
-            self.next_state, stopping=self.stop_requested, timed_out=self.save_by_timeout()
-        )
+        stopping, timed_out = self.stop_verdicts()
+        return self.rules.save_due(self.next_state, stopping=stopping, timed_out=timed_out)
 
     def should_stop(self, event: EventData) -> bool:
-        return self.rules.should_stop(
-            self.next_state, stopping=self.stop_requested, timed_out=self.save_by_timeout()
-        )
+        stopping, timed_out = self.stop_verdicts()
+        return self.rules.should_stop(self.next_state, stopping=stopping, timed_out=timed_out)
 
     # -- callbacks: the only places events are appended -----------------------------------
     def _append(self, payload: EventPayload) -> None:

@@ -9,6 +9,10 @@ ended afterwards with the times the step really began (the earliest worker call,
 controller's first send) and ended. ``total_step_time_s`` is computed from the same two
 instants, so the span's extent and its attribute agree.
 
+The step's ``policy_training`` span (the controller's wait for the step's calls, parent of
+each worker's finish) gets a reserved id too: a step sent ahead is sent whole, start and
+finish in one call, before that span exists (`training_carrier`, then `training`).
+
 Each root is a trace of its own, linked to the job span (see `traces.spans`). With telemetry
 off nothing is reserved or drawn, and the placeholder is the API's invalid span.
 """
@@ -33,7 +37,12 @@ from opentelemetry.trace import (
 
 from sft_runtime.traces.context import TRACER
 from sft_runtime.traces.setup import active_telemetry
-from sft_runtime.traces.spans import JOB_TRACE_ATTR, STEP_SPAN, record_error
+from sft_runtime.traces.spans import (
+    JOB_TRACE_ATTR,
+    POLICY_TRAINING_SPAN,
+    STEP_SPAN,
+    record_error,
+)
 
 
 class StepTrace:
@@ -60,10 +69,12 @@ class StepTrace:
         telemetry = active_telemetry()
         self._ids = getattr(telemetry, "ids", None) if telemetry is not None else None
         self._reserved: tuple[int, int] | None = None
+        self._training: tuple[int, int] | None = None  # the policy_training span's ids
         self.placeholder: Span = INVALID_SPAN
         if self._ids is not None:
             self._reserved = self._ids.reserve()
             trace_id, span_id = self._reserved
+            self._training = (trace_id, self._ids.reserve()[1])
             flags = TraceFlags(TraceFlags.SAMPLED)
             self.placeholder = NonRecordingSpan(SpanContext(trace_id, span_id, False, flags))
         self._ended = False
@@ -85,6 +96,41 @@ class StepTrace:
         if self.recording:
             propagate.inject(carrier, context=trace.set_span_in_context(self.placeholder))
         return carrier
+
+    def training_carrier(self) -> dict[str, str]:
+        """A W3C carrier whose parent is this step's ``policy_training`` span (for the
+        finish), before that span is started by `training`."""
+        carrier: dict[str, str] = {}
+        if self._training is not None:
+            flags = TraceFlags(TraceFlags.SAMPLED)
+            span = NonRecordingSpan(SpanContext(*self._training, False, flags))
+            propagate.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """The step's ``policy_training`` span around the controller's wait for the step,
+        with the id `training_carrier` promised. It is drawn at the end, from the step's
+        start: a step sent ahead may have begun (and its finish with it) in the workers
+        before the controller got to it."""
+        error: BaseException | None = None
+        try:
+            yield
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if self._training is not None:
+                self._draw(POLICY_TRAINING_SPAN, self._training, error)
+
+    def _draw(self, name: str, ids: tuple[int, int], error: BaseException | None) -> None:
+        end = time.time_ns()
+        start = min(self.started_ns or self.sent_ns, end)
+        with self._ids.use(ids), trace.use_span(self.placeholder, end_on_exit=False):
+            span = TRACER.start_span(name, start_time=start, record_exception=False)
+        if error is not None:
+            record_error(span, error)
+        span.end(end_time=end)
 
     @contextmanager
     def current(self) -> Iterator[Span]:

@@ -3,8 +3,9 @@
 An attempt opens (`open_attempt`) by taking the run's log (fenced against another writer),
 building the machine on the save state replay gave, and recording ``run_started``.
 
-A failed step (`undo_step`) is undone in the workers, the start sent ahead with it too, and
-recorded as ``step_aborted``, so the run can go on or resume as if it never began.
+A failed step (`undo_step`) is undone in the workers (a step sent ahead is waited for and
+whatever of it is open aborted) and recorded as ``step_aborted``; the attempt ends, and a
+resume goes on from the last checkpoint as if the step never began.
 
 An attempt ends (`end_attempt`) in order: the loaders closed after their last commit, the
 workers' and this process's spans flushed against one shutdown deadline, the machine closed
@@ -66,9 +67,9 @@ def undo_step(
     phase = in_flight.failed_phase(exc)
     quietly("wait for the step's calls", calls.settle)
     policy_open, batch_active = in_flight.policy_open, in_flight.batch_active
-    if calls.has_ahead:  # a start sent ahead is undone with this step
+    if calls.has_ahead:  # a step sent ahead is given up with this one
         policy_open = batch_active = True
-        quietly("discard the step started ahead", calls.drop_ahead)
+        quietly("give up the step sent ahead", calls.drop_ahead)
     if policy_open:
         quietly("abort the policy step", lambda: group.abort_train_step(carrier=inject_carrier()))
     if batch_active:

@@ -45,8 +45,7 @@ from sft_runtime.runtime.metrics.step_metrics import (
     step_metrics,
     step_timings,
 )
-from sft_runtime.runtime.policy.calls import Pending
-from sft_runtime.runtime.policy.results import StepFinished, StepStarted
+from sft_runtime.runtime.policy.results import StepFinished, StepStarted, StepTrained
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.liveness import check_driver
 from sft_runtime.runtime.process.niceness import controller_niceness, set_niceness
@@ -58,7 +57,6 @@ from sft_runtime.traces.spans import (
     EVENT_APPEND_SPAN,
     JOB_SPAN,
     PHASE_ATTR,
-    POLICY_TRAINING_SPAN,
     SETUP_SPANS,
     record_error,
     traced,
@@ -115,7 +113,8 @@ class SFTController(SavePhase):
 
     # -- entry points --------------------------------------------------------------------
     def request_stop(self) -> None:
-        """Ask the loop to stop at the next step boundary (after a final checkpoint)."""
+        """Ask the loop to stop at the next step boundary (after a final checkpoint); a step
+        already sent ahead to the workers is recorded first."""
         self._stop.set()
 
     def run_with_trace_context(self, _otel_carrier: dict | None = None) -> dict[str, Any]:
@@ -149,14 +148,15 @@ class SFTController(SavePhase):
                 while self.model.state is ControllerState.loading:
                     self._check_driver()
                     self.model.stop_requested = self._stop.is_set()
-                    if self.model.halt():  # to saving first when steps are unsaved
-                        self.calls.drop_ahead()
+                    self.model.step_ahead = self.calls.has_ahead
+                    # a step sent ahead runs first (StepCalls); then saving, when unsaved
+                    if not self.calls.has_ahead and self.model.halt():
                         if self._should_save(save_by_timeout=self.model.save_by_timeout()):
                             self._save_checkpoint()
                         break
                     self._run_one_step()
                     self._validate_if_due()
-                    if self._should_save(save_by_timeout=self.model.save_by_timeout()):
+                    if self._should_save(save_by_timeout=self.model.deadline_verdict()):
                         self._save_checkpoint()
                 reason = end_reason(self.model, stopping=self._stop.is_set())
             except BaseException as exc:
@@ -235,8 +235,8 @@ class SFTController(SavePhase):
         """The step's work under its trace: train, metrics, commit, record (or abort)."""
         self._step_attributes = None
         try:
-            t0 = trace.began()  # a start sent ahead may have begun earlier, in the workers
-            with traced(POLICY_TRAINING_SPAN, start_time=t0):
+            trace.began()  # a step sent ahead may have begun earlier, in the workers
+            with trace.training():
                 envelopes, results = self._run_train_step(step)
             t_done = trace.seconds_since_start()
             in_flight.trained()
@@ -260,6 +260,7 @@ class SFTController(SavePhase):
                 trace_id=trace_id,
                 span_id=span_id,
             )
+            self.model.step_ahead = self.calls.has_ahead  # it is recorded before a stop
             with traced(EVENT_APPEND_SPAN, attributes={PHASE_ATTR: StepPhase.record.value}):
                 self.model.commit(event=payload)
             self._fault_after(StepPhase.record, step)
@@ -274,27 +275,26 @@ class SFTController(SavePhase):
             self._step_attributes = step_attributes(metrics, consumed)
 
     def _run_train_step(self, step: int) -> tuple[list, list[StepFinished]]:
-        """Send the step's start (unless sent ahead) and finish, and the next step's start when
-        it is certain to follow (`StepCalls`); then wait: envelopes and finish metrics."""
-        start = self.calls.start(step, self._trace.carrier())  # under the step's root
-        finish = self.calls.finish(inject_carrier())  # under policy_training
+        """Send the step (unless sent ahead), and the next step when it is certain to follow
+        (`StepCalls`); then wait: envelopes and finish metrics."""
+        sent = self.calls.send(step, self._trace)
         state = replace(self.model.save_state, total_steps=step)
-        # this step ends about one mean step from now: would the deadline fire at its end?
-        soon = self.model.deadline_within(1)
+        # the next step, sent now, ends about two mean steps from now: is the deadline closer?
+        soon = self.model.deadline_within(2)
         rules, stopping = self.model.rules, self._stop.is_set()
         if not self.validator.due(step, final=rules.budget_reached(state)):
             if rules.continues_after(state, stopping=stopping, timed_out=soon):
                 self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
             elif not rules.should_stop(state, stopping=stopping, timed_out=soon):
                 self._send_save_ahead(state)  # a save is due, and the run goes on after it
-        envelopes = self._load_envelopes(start, step)
-        return envelopes, self.group.wait(finish)
+        trained: list[StepTrained] = self.group.wait(sent)
+        envelopes = self._load_envelopes([t.started for t in trained], step)
+        return envelopes, [t.finished for t in trained]
 
-    def _load_envelopes(self, start: Pending, step: int) -> list:
-        """The owners' envelopes from the step's start: the batch is loaded (it stays in the
-        workers), the machine moves to ``stepping``."""
-        outs: list[StepStarted] = self.group.wait(start)
-        if outs and self._trace is not None:  # a start sent ahead began when a worker took it
+    def _load_envelopes(self, outs: list[StepStarted], step: int) -> list:
+        """The owners' envelopes from the step's starts: the batch was loaded (it stays in
+        the workers), the machine moves to ``stepping``."""
+        if outs and self._trace is not None:  # a step sent ahead began when a worker took it
             self._trace.began(min(o.started_ns for o in outs))
         envelopes = [outs[rank].envelope for rank in self.group.owner_ranks]
         check_envelopes(envelopes, self.plan.logical_world_size)
@@ -322,7 +322,7 @@ class SFTController(SavePhase):
         self.metrics.log(step, metrics, prefix="val")
 
     def _close_loaders(self) -> None:
-        """The last step's batch committed (a start sent ahead undone), then the loaders closed."""
+        """The last step's batch committed (a step sent ahead given up), then the loaders closed."""
         try:
             self.calls.drop_ahead()
             self.calls.flush_commit()

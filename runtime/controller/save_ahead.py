@@ -1,8 +1,8 @@
 """`SaveAhead`: a periodic checkpoint's worker calls, sent together with the step before it.
 
 After a step at which a save is due and the run goes on (the save period: no stop request,
-deadline or validation in sight), the controller queues right behind the step's finish the
-loader-state calls, the checkpoint writes and the next step's start, before it waits for
+deadline or validation in sight), the controller queues right behind the step the
+loader-state calls, the checkpoint writes and the next step, before it waits for
 anything. Ray runs an actor's calls in the order they were sent, so a worker goes from the
 step into its share of the checkpoint and on into the next step without waiting for the
 controller to record the step first: that wait (a round trip and an fsynced event) is what a
@@ -11,10 +11,10 @@ save used to cost every worker.
 Nothing is committed early. Each loader-state call commits the step's batch only if the step
 finished on that worker (otherwise it fails), and the checkpoint directory is completed by
 `CheckpointWrite.complete` only after the step's event is recorded, with the state and
-metric that record holds (`CheckpointWrite.describe`). When the step fails, or the save
-turns out to be the run's last (a stop request or the deadline came meanwhile: a final
-checkpoint records that), the calls are given up (`discard`): their results are read, errors
-and all, their temporary directory is removed, and a save still due is made the ordinary way.
+metric that record holds (`CheckpointWrite.describe`). A stop request or the deadline that
+comes meanwhile takes effect after the step sent with the save (`StepCalls`), so the save is
+kept. When the step fails, the calls are given up (`discard`): their results are read, errors
+and all, and their temporary directory is removed.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Part of `SFTController` (its base class), so the seed API's private steps (`_should_save`,
 `_loader_state_dicts`, `_checkpoint_metric`, `_save_checkpoint`) stay methods of the
 controller that an embedding user can read or override. The loader states come first, then
-the writes, then the next step's start, all sent before anything is waited for: either with
+the writes, then the next step, all sent before anything is waited for: either with
 the step before the save (`SaveAhead`, a periodic save the run goes on after) or when the
 save begins.
 """
@@ -57,8 +57,8 @@ class SavePhase:
 
     def _send_ahead_past_save(self, state: Any) -> None:
         """Workers start the next step once their checkpoint files are written, while the
-        controller finishes the checkpoint (unless the run stops: `StepCalls.drop_ahead`)."""
-        timed_out = self.model.save_by_timeout()
+        controller finishes the checkpoint (unless the run stops, or the deadline is near)."""
+        timed_out = self.model.deadline_within(2)
         if not self.model.rules.should_stop(
             state, stopping=self._stop.is_set(), timed_out=timed_out
         ):
@@ -71,9 +71,11 @@ class SavePhase:
         return self.group.wait(sent if sent is not None else self._send_loader_states())
 
     def _send_loader_states(self) -> Pending:
-        """The loader-state calls at the last committed step: a start sent ahead is undone,
-        and the step's batch committed by the same call when no start did it."""
-        self.calls.drop_ahead()
+        """The loader-state calls at the last committed step, whose batch the same call
+        commits when no step did it. Never with a step sent ahead: the machine saves only
+        after that one (`step_ahead`), or with the save sent along with it."""
+        if self.calls.has_ahead:
+            raise RuntimeError("a checkpoint of the last recorded step after the next was sent")
         commit = self.calls.take_commit()
         return self._owner_call(partial(self.group.send_loader_state_bytes, commit))
 
@@ -100,7 +102,7 @@ class SavePhase:
         """Write the checkpoint of the save state; the workers go on to the next step (sent
         behind their files) while the controller completes the directory."""
         state, rules, attempt = self.model.save_state, self.model.rules, self._attempt
-        stopping, timed_out = self.model.stop_requested, self.model.save_by_timeout()
+        stopping, timed_out = self.model.stop_verdicts()
         kinds = rules.save_kinds(state, stopping=stopping, timed_out=timed_out)
         metrics = self._policy_metrics()
         metric = self._checkpoint_metric(metrics) if metrics else {}
@@ -135,6 +137,7 @@ class SavePhase:
         except BaseException:
             quietly("discard the checkpoint", write.discard)
             raise
+        self.model.step_ahead = self.calls.has_ahead  # it is recorded before a stop
         self.model.saved(event=write.complete(loader_states))
 
     def _discard_save_ahead(self) -> None:

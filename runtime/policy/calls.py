@@ -97,6 +97,26 @@ class WorkerCalls:
             _otel_carrier=carrier,
         )
 
+    def send_step(
+        self,
+        loss_fn: Any,
+        commit_previous: bool,
+        *,
+        sent_ahead: bool = False,
+        carrier: dict | None = None,
+        finish_carrier: dict | None = None,
+    ) -> Pending:
+        """`train_sft_step`: `send_start` and `send_finish` as one call; its results are
+        `StepTrained` records. ``finish_carrier`` is the trace context of the finish."""
+        return self._submit(
+            "train_sft_step",
+            loss_fn,
+            commit_previous,
+            sent_ahead=sent_ahead,
+            _otel_carrier=carrier,
+            finish_carrier=finish_carrier,
+        )
+
     def send_finish(self, *, carrier: dict | None = None, ranks: Ranks = "all") -> Pending:
         """`finish_train_step`: gradient all-reduce, clip, optimizer step; its results are
         `StepFinished` records."""

@@ -21,7 +21,7 @@ class StepStarted:
     envelope: StepEnvelope
     begin_s: float  # the supervised-token all-reduce
     forward_backward_s: float
-    started_ns: int  # when the call began in the worker (a start sent ahead waits there)
+    started_ns: int  # when the call began in the worker (a step sent ahead waits there)
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,14 @@ class StepFinished:
     allreduce_s: float
     optimizer_s: float
     step: int  # steps done, this one included
+
+
+@dataclass(frozen=True)
+class StepTrained:
+    """`train_sft_step`: a whole step on this rank, its start's and its finish's results."""
+
+    started: StepStarted
+    finished: StepFinished
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from sft_runtime.runtime.policy.results import (
     CheckpointLoaded,
     StepFinished,
     StepStarted,
+    StepTrained,
     StepUndone,
     ValidationResult,
 )
@@ -282,6 +283,25 @@ class PolicyWorkerBase:
         ):
             self.state.writes.wait_copied()  # a checkpoint being written still reads the weights
             return self.replica.finish(self._read_ahead if self._reads_ahead_in_finish else None)
+
+    def train_sft_step(
+        self,
+        loss_fn: Any = None,
+        commit_previous: bool = False,
+        *,
+        sent_ahead: bool = False,
+        _otel_carrier: dict | None = None,
+        finish_carrier: dict | None = None,
+    ) -> StepTrained:
+        """A whole step in one call: `start_sft_step`, then `finish_train_step` (under
+        ``finish_carrier``). One call a step is one hand-over from Ray a step, not two: on a
+        machine whose cores the workers fill, each costs the controller and the worker CPU
+        that the next step waits for. A start that fails raises before the finish runs, so
+        the step stays open to be aborted, as with the two calls."""
+        started = self.start_sft_step(
+            loss_fn, commit_previous, sent_ahead=sent_ahead, _otel_carrier=_otel_carrier
+        )
+        return StepTrained(started, self.finish_train_step(_otel_carrier=finish_carrier))
 
     def _read_ahead(self) -> None:
         """The next step's batch, read while this step's gradients are all-reduced: the

@@ -10,7 +10,7 @@ import torch
 
 from sft_runtime.runtime.policy.loss import NLLLossFn
 from sft_runtime.runtime.policy.model import TinyTransformer
-from sft_runtime.runtime.policy.results import StepFinished, StepStarted
+from sft_runtime.runtime.policy.results import StepFinished, StepStarted, StepTrained
 from sft_runtime.runtime.policy.schedule import lr_at
 from tests.support import sources
 
@@ -31,14 +31,11 @@ def factories(world: int) -> list:
 
 
 def one_step(group: Any) -> list[StepFinished]:
-    """One step through the runtime's calls: the start and the finish sent back to back (as
-    the controller sends them), then the batch's commit; each rank's finish."""
-    started = group.send_start(NLLLossFn(), False)
-    finished = group.send_finish()
-    group.wait(started)
-    results = group.wait(finished)
+    """One step through the runtime's call (one `train_sft_step` per worker, as the
+    controller sends it), then the batch's commit; each rank's finish."""
+    trained: list[StepTrained] = group.wait(group.send_step(NLLLossFn(), False))
     group.commit_batches()
-    return results
+    return [t.finished for t in trained]
 
 
 def start_step(group: Any, loss_fn: Any = None) -> list[StepStarted]:

@@ -87,7 +87,8 @@ def _read_lines(proc: subprocess.Popen, lines: list[str], seen: threading.Event,
 
 def test_sigterm_then_the_same_command_resumes_exactly(ray_session, demo_data, tmp_path):
     """The run holds right after step 2 is durable; SIGTERM arrives there, and once the
-    command says the stop was taken the run is released: it must stop after step 2, save,
+    command says the stop was taken the run is released: it must stop after step 3 (sent to
+    the workers with step 2, before the signal: a step sent ahead is never taken back), save,
     and the same command must resume to the uninterrupted run's losses bit for bit."""
     steps, stop_at = 8, 2
     reference = tmp_path / "reference"
@@ -121,7 +122,7 @@ def test_sigterm_then_the_same_command_resumes_exactly(ray_session, demo_data, t
     stopped = [r for r in read_log(run_dir) if r.type == "run_stopped"]
     assert [r.data["reason"] for r in stopped] == ["interrupted"]
     stop_step = stopped[0].data["last_step"]
-    assert stop_step == stop_at
+    assert stop_step == stop_at + 1
     assert stop_step in CheckpointDir(run_dir / "checkpoints").steps()  # saved on the way out
 
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

@@ -19,7 +19,7 @@ from sft_runtime.runtime.data.placement import build_placement_plan
 from sft_runtime.runtime.launch.setup import SFTV2ActorArgs
 from sft_runtime.runtime.policy.calls import Pending, WorkerCalls
 from sft_runtime.runtime.policy.group import PolicyWorkerError
-from sft_runtime.runtime.policy.results import StepFinished, StepStarted
+from sft_runtime.runtime.policy.results import StepFinished, StepStarted, StepTrained
 from sft_runtime.states import SFTV2SaveState
 from tests.support.small_run import small_config
 
@@ -36,17 +36,17 @@ class StubGroup(WorkerCalls):
         self.waits: list[tuple[int, str]] = []  # (calls sent by then, the method waited for)
 
     def _answer(self, method: str, rank: int):
-        if method == "start_sft_step":
+        if method == "train_sft_step":
             envelope = StepEnvelope(rank, 2, [f"s{rank}"], ["input_ids"], [10], 0.001, 9, 1)
-            return StepStarted(envelope, begin_s=0.0, forward_backward_s=0.01, started_ns=0)
-        if method == "finish_train_step":
-            return StepFinished(2.0, 1.0, 0.1, 18, 9, [], 0.01, 0.0, 0.0, step=1)
+            started = StepStarted(envelope, begin_s=0.0, forward_backward_s=0.01, started_ns=0)
+            finished = StepFinished(2.0, 1.0, 0.1, 18, 9, [], 0.01, 0.0, 0.0, step=1)
+            return StepTrained(started, finished)
         if method == "sft_dataloader_state_bytes":
             return f"state of rank {rank}".encode()
         return None
 
     def _error(self, method: str, args: tuple) -> Exception | None:
-        commits = (method == "start_sft_step" and args[1]) or (
+        commits = (method == "train_sft_step" and args[1]) or (
             method == "sft_dataloader_state_bytes" and args[0]
         )
         if commits:  # the call commits the last recorded step's batch first
@@ -93,13 +93,13 @@ def _types(run_dir: Path) -> list[str]:
 
 def test_a_failing_train_step_is_undone_recorded_and_reraised(tmp_path):
     boom = PolicyWorkerError("rank 1 exploded", [1], phase="train")
-    group = StubGroup({"start_sft_step": boom})
+    group = StubGroup({"train_sft_step": boom})
     controller, run_dir = _controller(tmp_path, group)
     with pytest.raises(RuntimeError) as err:
         controller.run()
     assert err.value is boom
     assert "abort_train_step" in group.calls and "abort_sft_batch" in group.calls
-    # the calls already sent (finish, the next step's start) are waited for before the aborts
+    # the calls already sent (the step, the next one sent ahead) are waited for first
     assert group.calls.index("settle") < group.calls.index("abort_train_step")
     records = list(read_log(run_dir))
     aborted = [r for r in records if r.type == "step_aborted"]
@@ -114,7 +114,7 @@ def test_cleanup_failures_warn_and_keep_the_original_error(tmp_path):
     boom = PolicyWorkerError("the original", [0], phase="loading")
     group = StubGroup(
         {
-            "start_sft_step": boom,
+            "train_sft_step": boom,
             "abort_sft_batch": OSError("abort failed too"),
             "close_sft_dataloader": OSError("close failed too"),
         }
@@ -162,7 +162,7 @@ def test_a_save_sends_its_calls_in_order_and_waits_only_after_the_next_start(tmp
         "commit_sft_batch",  # by the state call, first: no start committed step 3's batch
         "begin_checkpoint",
         "checkpoint_written",
-        "start_sft_step",  # step 4, behind the writes
+        "train_sft_step",  # step 4, behind the writes
     ]
     waited = [sent for sent, method in group.waits if method == "sft_dataloader_state_bytes"]
     assert waited[0] == first + 5  # nothing waited for between the first and the last
@@ -208,37 +208,35 @@ def test_a_run_whose_budget_is_reached_trains_nothing(tmp_path):
     controller, run_dir = _controller(tmp_path, group, total_steps=4)
     summary = controller.run()
     assert summary["steps_run"] == 0 and summary["reason"] == "completed"
-    assert "start_sft_step" not in group.calls
+    assert "train_sft_step" not in group.calls
     assert _types(run_dir) == ["run_started", "loaders_ready", "run_stopped"]
 
 
-def test_a_stop_undoes_the_start_sent_ahead_before_the_final_checkpoint(tmp_path):
-    """Step 2's start goes out with step 1's finish; a stop that arrives meanwhile waits for it
-    and aborts it (weights, RNG and loader as before) before the final checkpoint."""
+def test_a_stop_takes_effect_after_the_step_sent_ahead(tmp_path):
+    """Step 2 goes out whole behind step 1; a stop that arrives meanwhile cannot take it back
+    (its optimizer step may have run): step 2 is recorded, then the final checkpoint."""
 
     class StopDuringStep1(StubGroup):
         controller = None
 
         def _wait(self, pending, timeout_s=None):
-            if pending.method == "start_sft_step":
+            if pending.method == "train_sft_step" and self.calls.count("train_sft_step") == 2:
                 self.controller.request_stop()
             return super()._wait(pending, timeout_s)
 
     group = StopDuringStep1()
-    controller, run_dir = _controller(tmp_path, group)
+    controller, run_dir = _controller(tmp_path, group, total_steps=0)
     group.controller = controller
     summary = controller.run()
-    assert summary["reason"] == "interrupted" and summary["total_steps"] == 1
+    assert summary["reason"] == "interrupted" and summary["total_steps"] == 2
     calls = group.calls
-    assert calls.count("start_sft_step") == 2  # step 1's, and step 2's sent ahead
-    undo = calls.index("settle")
-    assert calls[undo : undo + 3] == ["settle", "abort_train_step", "abort_sft_batch"]
-    assert undo < calls.index("sft_dataloader_state_bytes")  # the checkpoint comes after
-    ahead = calls.index("finish_train_step") + 1  # sent with step 1's finish, commits its batch
-    assert calls[ahead : ahead + 2] == ["start_sft_step", "commit_sft_batch"]
+    assert calls.count("train_sft_step") == 2  # step 1's, and step 2's sent ahead
+    second = calls.index("train_sft_step", calls.index("train_sft_step") + 1)
+    assert calls[second + 1] == "commit_sft_batch"  # step 2 commits step 1's batch first
+    assert "abort_train_step" not in calls and "settle" not in calls
     records = list(read_log(run_dir))
-    assert [r.data["step"] for r in records if r.type == "step_committed"] == [1]
-    assert [r.data["step"] for r in records if r.type == "checkpoint_saved"] == [1]
+    assert [r.data["step"] for r in records if r.type == "step_committed"] == [1, 2]
+    assert [r.data["step"] for r in records if r.type == "checkpoint_saved"] == [2]
 
 
 def test_the_loop_runs_the_seed_methods_with_their_seed_signatures(tmp_path):

@@ -1,5 +1,5 @@
 """A periodic checkpoint's calls go out with the step before it (`SaveAhead`), and are given
-up when that step fails or the save turns out to be the run's last; with the scripted group
+up when that step fails; with the scripted group
 of test_controller_errors.py (the real one runs every save of the end-to-end and kill tests)."""
 
 from __future__ import annotations
@@ -40,16 +40,19 @@ def test_a_periodic_save_goes_out_with_its_step_before_the_controller_waits(tmp_
     controller.run()
     calls = group.calls
     first = calls.index("sft_dataloader_state_bytes")
-    assert calls[first - 1 : first + 5] == [
-        "finish_train_step",  # step 3's
+    assert calls[first - 2 : first + 5] == [
+        "train_sft_step",  # step 3's
+        "commit_sft_batch",  # step 2's batch, by step 3's call
         "sft_dataloader_state_bytes",
         "commit_sft_batch",  # only if step 3 finished on the worker
         "begin_checkpoint",
         "checkpoint_written",
-        "start_sft_step",  # step 4, behind the writes
+        "train_sft_step",  # step 4, behind the writes
     ]
-    # the controller waited for nothing of step 3 before all of it was sent
-    assert all(sent >= first + 5 for sent, _ in group.waits if sent >= first)
+    # the controller waited for nothing of step 3 before all of it was sent (the wait at
+    # ``first`` is step 2's, before step 3's save was decided)
+    assert all(sent >= first + 5 for sent, _ in group.waits if sent > first)
+    assert (first, "train_sft_step") in group.waits
     records = list(read_log(run_dir))
     kinds = [(r.type, r.data["step"]) for r in records if r.type.endswith(("committed", "saved"))]
     assert kinds.index(("step_committed", 3)) < kinds.index(("checkpoint_saved", 3))
@@ -65,7 +68,7 @@ def test_a_periodic_save_goes_out_with_its_step_before_the_controller_waits(tmp_
 
 def test_a_step_that_fails_gives_up_the_save_sent_with_it(tmp_path):
     boom = PolicyWorkerError("rank 0 fell over", [0], phase="train")
-    group = FailsAt("finish_train_step", 3, boom)
+    group = FailsAt("train_sft_step", 3, boom)
     controller, run_dir = _controller(tmp_path, group)
     with pytest.raises(PolicyWorkerError, match="fell over"):
         controller.run()
@@ -78,22 +81,26 @@ def test_a_step_that_fails_gives_up_the_save_sent_with_it(tmp_path):
     assert group.calls.index("settle") < group.calls.index("abort_train_step")
 
 
-def test_a_deadline_passing_during_the_step_redoes_its_save_as_the_final_one(tmp_path):
+def test_a_deadline_passing_during_the_step_keeps_its_save_and_stops_after_the_next(tmp_path):
+    """The deadline passes while step 3 runs, with its save and step 4 already sent: step 4
+    cannot be taken back, so the save of step 3 stays periodic, step 4 is recorded, and the
+    deadline's final checkpoint comes after it."""
+
     class DeadlineDuringStep3(StubGroup):
         def _wait(self, pending, timeout_s=None):
-            if pending.method == "finish_train_step" and self.calls.count("finish_train_step") == 3:
+            if pending.method == "train_sft_step" and self.calls.count("train_sft_step") == 4:
                 controller.model.rules = replace(controller.model.rules, deadline=time.time())
             return super()._wait(pending, timeout_s)
 
     group = DeadlineDuringStep3()
-    controller, run_dir = _controller(tmp_path, group)
+    controller, run_dir = _controller(tmp_path, group, "sft.max_num_steps=6")
     summary = controller.run()
     assert summary["reason"] == "timeout"
     records = list(read_log(run_dir))
-    assert [r.data["step"] for r in records if r.type == "step_committed"] == [1, 2, 3]
-    assert [r.data["step"] for r in records if r.type == "checkpoint_saved"] == [3]
-    assert _info(run_dir, 3)["kinds"] == ["periodic", "final"]
-    # sent with the step, given up (step 4's start undone too), written again: one checkpoint
-    assert group.calls.count("begin_checkpoint") == 2
-    assert "abort_train_step" in group.calls
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_3"]
+    assert [r.data["step"] for r in records if r.type == "step_committed"] == [1, 2, 3, 4]
+    assert [r.data["step"] for r in records if r.type == "checkpoint_saved"] == [3, 4]
+    assert _info(run_dir, 3)["kinds"] == ["periodic"]
+    assert _info(run_dir, 4)["kinds"] == ["final"]
+    assert group.calls.count("begin_checkpoint") == 2  # none given up
+    assert "abort_train_step" not in group.calls
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_3", "step_4"]

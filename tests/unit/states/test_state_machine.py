@@ -129,6 +129,35 @@ def test_stop_request_saves_at_the_next_boundary_and_closes():
     assert model.state is S.saving
 
 
+def test_a_step_sent_ahead_defers_a_stop_and_the_deadline_but_not_a_periodic_save():
+    """The workers already run the next step (sent whole): a stop request or the deadline at
+    this commit takes effect after that step, never before; the save period still saves."""
+    now = [0.0]
+    model = ControllerModel(
+        StepRules(max_steps=100, save_period=2, deadline=10.0), clock=lambda: now[0]
+    )
+    _ready(model)
+    model.batch_loaded()
+    model.stop_requested, model.step_ahead = True, True
+    now[0] = 11.0  # past the deadline too
+    assert model.stop_verdicts() == (False, False) and not model.deadline_verdict()
+    model.commit(event=step_event(1))
+    assert model.state is S.loading  # on to the step sent ahead
+    model.batch_loaded()
+    model.commit(event=step_event(2))  # the save period, with yet another step ahead
+    assert model.state is S.saving
+    model.saved(event=_checkpoint(model))
+    assert model.state is S.loading
+    assert model.last_saved_step == 2
+    model.batch_loaded()
+    model.step_ahead = False  # nothing more was sent: the stop and the deadline apply now
+    assert model.stop_verdicts() == (True, True)
+    model.commit(event=step_event(3))
+    assert model.state is S.saving
+    model.saved(event=_checkpoint(model))
+    assert model.state is S.closing
+
+
 @pytest.mark.parametrize(
     "state, trigger",
     [
