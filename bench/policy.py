@@ -5,10 +5,10 @@ processes, one torch thread each, gloo on CPU. The baseline is two bare subproce
 this file (no Ray) running load -> token-count all-reduce -> micro-batch forward/backward
 -> flat gradient all-reduce -> clip -> AdamW -> commit. The Ray side runs the runtime's
 step calls: `send_start`, `send_finish` and `commit_batches` each waited for (three round
-trips), and pipelined as the controller sends them, the start (committing the batch before)
-and the finish back to back (one). The sides alternate in rounds
-(baseline, group, baseline, ...) so that load from other processes on a shared machine
-hits both alike; the headline ratio is the median of the per-round ratios of median step
+trips), and pipelined as the controller sends them: one `send_step` a step (the start,
+committing the batch before, and the finish in one call per worker), one round trip. The
+sides alternate in rounds (baseline, group, baseline, ...) so that load from other
+processes on a shared machine hits both alike; the headline ratio is the median of the per-round ratios of median step
 times, the runtime's overhead; the target is <= 1.10.
 
 Run ``python bench/policy.py``; `run()` returns rows for an aggregator.
@@ -221,15 +221,12 @@ class _Group:
         return time.perf_counter() - t0, started[0].forward_backward_s, results[0].loss
 
     def step_pipelined(self) -> tuple[float, float, float]:
-        """The controller's sequence: the start (committing the previous step's batch) and
-        the finish sent back to back (actor calls run in order), one wait: one round trip."""
+        """The controller's call: the whole step in one call per worker, committing the
+        previous step's batch first; one wait: one round trip."""
         t0 = time.perf_counter()
-        refs = self.group.send_start(self.fn, self._finished)
-        finish = self.group.send_finish()
-        out = self.group.wait(refs + finish)
-        started, results = out[: len(refs)], out[len(refs) :]
-        self._finished = True  # the next start commits this batch
-        return time.perf_counter() - t0, started[0].forward_backward_s, results[0].loss
+        out = self.group.wait(self.group.send_step(self.fn, self._finished))
+        self._finished = True  # the next step commits this batch
+        return time.perf_counter() - t0, out[0].started.forward_backward_s, out[0].finished.loss
 
     def round(self, pipelined: bool = False) -> list[tuple[float, float, float]]:
         step = self.step_pipelined if pipelined else self.step
