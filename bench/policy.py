@@ -8,8 +8,8 @@ step calls: `send_start`, `send_finish` and `commit_batches` each waited for (th
 trips), and pipelined as the controller sends them: one `send_step` a step (the start,
 committing the batch before, and the finish in one call per worker), one round trip. The
 sides alternate in rounds (baseline, group, baseline, ...) so that load from other
-processes on a shared machine hits both alike; the headline ratio is the median of the per-round ratios of median step
-times, the runtime's overhead; the target is <= 1.10.
+processes on a shared machine hits both alike; the headline ratio is the median of the
+per-round ratios of median step times, the runtime's overhead; the target is <= 1.10.
 
 Run ``python bench/policy.py``; `run()` returns rows for an aggregator.
 """
