@@ -13,11 +13,12 @@ instead of hanging for gloo's default 30 minutes.
 
 One training step has three phases (see `runtime.policy.replica`): begin (collective:
 the global token count), train (local forward/backward) and finish (collective: gradients,
-clip, AdamW). A step is two calls, the only way to drive one, for the controller, the
-benchmarks and the tests alike: `start_sft_step` (commit the previous batch, load, begin,
-train) and `finish_train_step`; `abort_train_step` + `abort_sft_batch` undo a start. Every
-method accepts ``_otel_carrier`` (a W3C carrier dict: the worker's spans join the caller's
-trace).
+clip, AdamW). The controller drives a step in one call, `train_sft_step`, which runs its two
+halves: `start_sft_step` (commit the previous batch, load, begin, train) and
+`finish_train_step`. Each half is a call of its own too (the benchmarks and tests drive a
+step in halves), and a start left open is undone by `abort_train_step` + `abort_sft_batch`.
+The loader's calls are in `worker_loader`. Every method accepts ``_otel_carrier`` (a W3C
+carrier dict: the worker's spans join the caller's trace).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import random
 import resource
 import socket
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +49,7 @@ from sft_runtime.runtime.policy.results import (
     StepUndone,
     ValidationResult,
 )
+from sft_runtime.runtime.policy.worker_loader import LoaderOwner
 from sft_runtime.runtime.policy.worker_state import WorkerState
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.niceness import set_niceness
@@ -58,7 +59,6 @@ from sft_runtime.traces.spans import (
     FINISH_STEP_SPAN,
     FORWARD_BACKWARD_SPAN,
     LOAD_SPAN,
-    LOADER_COMMIT_SPAN,
     PHASE_ATTR,
     READ_AHEAD_SPAN,
     START_STEP_SPAN,
@@ -69,7 +69,7 @@ from sft_runtime.traces.spans import (
 WRITES_GROUP = "checkpoint_writes"  # the actor's concurrency group of `checkpoint_written`
 
 
-class PolicyWorkerBase:
+class PolicyWorkerBase(LoaderOwner):
     """The worker's logic; `PolicyWorker` is its Ray actor class."""
 
     def __init__(
@@ -199,78 +199,6 @@ class PolicyWorkerBase:
             seconds=time.perf_counter() - t0,
         )
 
-    # ----------------------------------------------------------------- loader
-    def setup_sft_dataloader(
-        self,
-        factory: Callable[[], BatchSource],
-        restored_state: dict | bytes | None = None,
-        prefetch_depth: int = 1,
-        *,
-        load_during_allreduce: bool = False,
-        _otel_carrier: dict | None = None,
-    ) -> None:
-        """Build this rank's loader from ``factory()`` and restore its position.
-
-        ``prefetch_depth`` >= 2 (``data_plane.max_partitions``) wraps it in a
-        `PrefetchingLoader` that reads up to that many batches ahead in a background thread;
-        otherwise ``load_during_allreduce`` wraps it in one that reads the next batch while
-        the step's gradients are all-reduced (`finish_train_step`).
-        """
-        if self._loader is not None:
-            raise RuntimeError(f"rank {self.rank}: the SFT dataloader is already set up")
-        from sft_runtime.runtime.data.prefetch import PrefetchingLoader
-
-        if prefetch_depth > 1:
-            loader = PrefetchingLoader(factory, prefetch_depth)
-        elif load_during_allreduce:
-            loader = PrefetchingLoader(factory, 2, background=False)
-        else:
-            loader = factory()
-        from sft_runtime.runtime.checkpoint.loader_states import load_loader_state
-
-        loader.setup(load_loader_state(restored_state))
-        self._loader = loader
-        self._reads_ahead_in_finish = prefetch_depth <= 1 and load_during_allreduce
-
-    def commit_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
-        with traced(
-            LOADER_COMMIT_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.commit)
-        ):
-            self._require_loader().commit()
-            self._batch_step = None
-
-    def abort_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
-        self._batch_step = None
-        self._require_loader().abort()
-
-    def sft_dataloader_state_dict(self, *, _otel_carrier: dict | None = None) -> dict:
-        return self._require_loader().state_dict()
-
-    def sft_dataloader_state_bytes(
-        self, commit_first: bool = False, *, _otel_carrier: dict | None = None
-    ) -> bytes:
-        """The state, pickled here: the controller writes it without unpickling it. With
-        ``commit_first`` the last step's batch is committed first (a checkpoint needs both,
-        and one call saves a hand-over while the worker waits), if (and only if) that step
-        finished here, as a start's ``commit_previous``: a save sent before its step was
-        recorded fails instead when the step did not finish."""
-        from sft_runtime.runtime.checkpoint.loader_states import dump_loader_state
-
-        if commit_first:
-            self._commit_finished_batch(_otel_carrier)
-        return dump_loader_state(self._require_loader().state_dict())
-
-    def close_sft_dataloader(self, *, _otel_carrier: dict | None = None) -> None:
-        loader, self._loader = self._loader, None
-        self._reads_ahead_in_finish = False
-        if loader is not None:
-            loader.close()
-
-    def _require_loader(self) -> BatchSource:
-        if self._loader is None:
-            raise RuntimeError(f"rank {self.rank}: setup_sft_dataloader was not called")
-        return self._loader
-
     # ----------------------------------------------------------------- training
     def prepare_for_training(self, *, _otel_carrier: dict | None = None) -> None:
         self.replica.model.train()
@@ -380,15 +308,6 @@ class PolicyWorkerBase:
             error = exc
         with traced(FORWARD_BACKWARD_SPAN, attributes=self._attrs(StepPhase.train)):
             return self.replica.train(error=error)["forward_backward_s"]
-
-    def _commit_finished_batch(self, carrier: dict | None = None) -> None:
-        done = self._batch_step
-        if done is not None and (self.replica.step_open or self.replica.steps_done != done + 1):
-            raise RuntimeError(
-                f"rank {self.rank}: the step trained on the active batch did not finish; "
-                "the batch is not committed"
-            )
-        self.commit_sft_batch(_otel_carrier=carrier)
 
     def abort_train_step(self, *, _otel_carrier: dict | None = None) -> StepUndone:
         """Drop the open step's gradients; weights and optimizer stay bitwise unchanged."""
