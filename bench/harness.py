@@ -54,10 +54,8 @@ WARMUP = 4  # committed steps treated as startup
 STEPS = pick(24, WARMUP + 3)
 SAVE_PERIOD = pick(10, 3)  # checkpointing.save_period (smoke: saves inside its few steps)
 ROUNDS = pick(2, 1)
-OVERHEAD_ROUNDS = pick(3, 1)  # the headline ratio: one more round against this machine's noise
 SAMPLES = pick(4096, 1024)  # demo samples in a `workspace` data set
 SEED = 5
-OVERHEAD_TARGET = 1.10
 RESUME_TARGET = 1.2
 CLI = Path(sys.executable).parent / "sft-runtime"
 
