@@ -54,6 +54,11 @@ WARMUP = 4  # committed steps treated as startup
 STEPS = pick(24, WARMUP + 3)
 SAVE_PERIOD = pick(10, 3)  # checkpointing.save_period (smoke: saves inside its few steps)
 ROUNDS = pick(2, 1)
+# steps per run of the end-to-end ratios held to a target (`overhead.py`, `scaling.py`): a
+# steady window of 4 whole save periods, long enough that a slow spell of the machine weighs
+# little in it
+LONG_STEPS = pick(WARMUP + 4 * SAVE_PERIOD, STEPS)
+CORE_EACH_TARGET = 1.05  # the end-to-end ratio where every worker and the controller have a core
 SAMPLES = pick(4096, 1024)  # demo samples in a `workspace` data set
 SEED = 5
 RESUME_TARGET = 1.2
@@ -71,13 +76,15 @@ COMPUTE = {
     "micro": 4,
     "packing": False,
 }
-# (b) loading-heavy: a tiny model on long packed rows (many samples tokenized per row;
-# smoke: half the rows, in as many micro-batches)
+# (b) loading-heavy: a tiny model on many short packed rows (several samples tokenized per
+# row; rows of 128, not longer ones, because a packed row's attention grows with its length
+# squared and its loading only with its length; smoke: half the rows, in as many
+# micro-batches)
 LOADING = {
-    "model": {"d_model": 16, "n_layers": 1, "n_heads": 1, "max_seq_len": 256},
-    "seq": 256,
-    "global_batch": pick(32, 16),
-    "micro": pick(16, 8),
+    "model": {"d_model": 16, "n_layers": 1, "n_heads": 1, "max_seq_len": 128},
+    "seq": 128,
+    "global_batch": pick(64, 32),
+    "micro": pick(32, 16),
     "packing": True,
 }
 
@@ -190,6 +197,13 @@ def save_cost(run: dict, save_period: int) -> float:
     after = [v for step, v in extra.items() if (step - 1) % save_period == 0]
     others = [v for step, v in extra.items() if (step - 1) % save_period != 0]
     return statistics.mean(after) - statistics.median(others)
+
+
+def core_each(world: int) -> bool:
+    """Whether this process may use a core for each of ``world`` workers and one more (the
+    controller, Ray and the driver)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) >= world + 1
 
 
 def step_time(times: list[float]) -> float:

@@ -32,20 +32,16 @@ from bench.timeline import plain_phases, worker_phases  # noqa: E402
 
 # DP workers (smoke: one; DP=2 runs in prefetch.py, resume.py and load_memory.py)
 WORLD = h.pick(2, 1)
-# steps per run: a steady window of 40 steps (4 whole save periods), twice `h.STEPS`'s, and
-# five rounds, so that a slow spell of the machine weighs less in the headline ratio
-STEPS = h.pick(h.WARMUP + 4 * h.SAVE_PERIOD, h.STEPS)
+STEPS = h.LONG_STEPS
 ROUNDS = h.pick(5, 1)
-CORE_EACH_TARGET = 1.05  # every worker and the controller on a core of its own
 SHARED_CORES_TARGET = 1.15  # the workers fill the cores: the controller takes from them
 
 
 def target(world: int) -> tuple[float, str]:
     """The ratio this machine should meet with ``world`` workers, and why."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if (cores or 1) >= world + 1:
-        return CORE_EACH_TARGET, "a core each"
-    return SHARED_CORES_TARGET, f"{cores} cores, {world} workers"
+    if h.core_each(world):
+        return h.CORE_EACH_TARGET, "a core each"
+    return SHARED_CORES_TARGET, f"{os.cpu_count()} cores, {world} workers"
 
 
 def run() -> list[dict]:

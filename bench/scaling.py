@@ -1,16 +1,16 @@
 """Step time over 1, 2 and 4 DP workers (0.5 CPU each), the plain loop alongside (smoke: 1).
 
-Each size runs ``ROUNDS`` alternating pairs (the plain loop, then sft-runtime) and reports
-the median of the pairs' ratios, with the overhead per step in ms beside it: on a shared
-machine a pair's two runs see about the same load, the next pair may not. Where the machine
-has a core for every worker and one more for the controller, Ray and the driver, the ratio
-is held to ``CORE_EACH_TARGET``; on fewer cores the workers and the controller take turns on
-them, and the row has no target (`bench/overhead.py` shows where that CPU goes).
+Each size runs ``ROUNDS`` alternating pairs (the plain loop, then sft-runtime) of
+`h.LONG_STEPS` steps and reports the median of the pairs' ratios, with the overhead per step
+in ms beside it: on a shared machine a pair's two runs see about the same load, the next pair
+may not. Where the machine has a core for every worker and one more for the controller, Ray
+and the driver, the ratio is held to ``h.CORE_EACH_TARGET``; on fewer cores the workers and
+the controller take turns on them, and the row has no target (`bench/overhead.py` shows
+where that CPU goes).
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -22,9 +22,8 @@ from bench import harness as h  # noqa: E402
 from bench.plain_loop import plain_run, pretokenize  # noqa: E402
 
 WORLDS = h.pick((1, 2, 4), (1,))  # DP sizes (smoke: DP=2 runs in overhead.py and prefetch.py)
-ROUNDS = 1  # pairs per size (a many-core run sets more: `bench/GPU_RESULTS.md`)
-STEPS = h.STEPS // 2 + h.WARMUP  # steps per run
-CORE_EACH_TARGET = 1.05
+ROUNDS = h.pick(3, 1)  # pairs per size
+STEPS = h.LONG_STEPS  # steps per run
 
 
 def run() -> list[dict]:
@@ -50,15 +49,15 @@ def _scaling(data: Path, tmp: Path) -> list[dict]:
                 flush=True,
             )
         ratio = statistics.median(o / r for o, r in zip(ours, ref, strict=True))
-        core_each = (os.cpu_count() or 1) >= world + 1
+        core_each = h.core_each(world)
         rows += [
             h.row(
                 f"step.scaling.dp{world}",
                 statistics.median(ours) * 1e3,
                 "ms",
                 statistics.median(ref) * 1e3,
-                f"<= {CORE_EACH_TARGET}x (a core each)" if core_each else "",
-                ratio <= CORE_EACH_TARGET if core_each else None,
+                f"<= {h.CORE_EACH_TARGET}x (a core each)" if core_each else "",
+                ratio <= h.CORE_EACH_TARGET if core_each else None,
                 ratio,
             ),
             h.row(
