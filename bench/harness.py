@@ -199,11 +199,17 @@ def save_cost(run: dict, save_period: int) -> float:
     return statistics.mean(after) - statistics.median(others)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def core_each(world: int) -> bool:
-    """Whether this process may use a core for each of ``world`` workers and one more (the
-    controller, Ray and the driver)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (cores or 1) >= world + 1
+    """Whether there is a core for each of ``world`` workers and one more (the controller,
+    Ray and the driver)."""
+    return usable_cores() >= world + 1
 
 
 def step_time(times: list[float]) -> float:

@@ -17,7 +17,6 @@ from the run's spans: `bench.timeline`).
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -41,7 +40,7 @@ def target(world: int) -> tuple[float, str]:
     """The ratio this machine should meet with ``world`` workers, and why."""
     if h.core_each(world):
         return h.CORE_EACH_TARGET, "a core each"
-    return SHARED_CORES_TARGET, f"{os.cpu_count()} cores, {world} workers"
+    return SHARED_CORES_TARGET, f"{h.usable_cores()} cores, {world} workers"
 
 
 def run() -> list[dict]:
