@@ -130,13 +130,16 @@ def _check_crash(kill: Kill, launch, before: dict, run_dir: Path) -> None:
     aborted = [r for r in records if r.type == "step_aborted"]
     stopped = [r for r in records if r.type == "run_stopped"]
     want_last, want_aborted = kill.last_step, kill.aborted
-    lost = kill.aborted is not None and kill.point == "worker:train"
-    if lost and last_step == kill.last_step - 1 and len(aborted) == 1:
+    lost = kill.aborted is not None and kill.point.startswith("worker:")
+    # where the run stood when the kill came: this attempt's last commit, else its resume
+    stood = last_step if last_step is not None else kill.resumed_from
+    if lost and stood == kill.last_step - 1 and len(aborted) == 1:
         # The killed worker took the step before with it: that step's finish had run on
         # every rank, but the killed rank's reply had not left its process when the kill
-        # came in the next step's start (a busy machine). The controller, hearing only of a
+        # came in the next step (a busy machine). The controller, hearing only of a
         # dead worker, aborted that step; the resume from the checkpoint is exact either way
-        # (compared by the test), and the log shows which of the two happened.
+        # (compared by the test), and the log shows which of the two happened. When that step
+        # was the attempt's first, the attempt commits no step at all.
         want_last, want_aborted = last_step, kill.last_step
     assert last_step == want_last, why
     if kill.aborted is None:
