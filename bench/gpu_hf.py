@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -137,6 +136,7 @@ def plain_rank(rank: int, world: int, port: int, job: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from sft_runtime.runtime.policy import rendezvous
     from sft_runtime.runtime.policy.fsdp import enable_activation_checkpointing
     from sft_runtime.runtime.policy.hf_model import hf_logits, load_hf_model
 
@@ -145,9 +145,7 @@ def plain_rank(rank: int, world: int, port: int, job: dict) -> None:
     if cuda:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    rendezvous.join(backend, rank, world, port=port)
     # the runtime's own packed-row attention: the two sides differ in the runtime, not the kernel
     model = load_hf_model(job["folder"]).to(device)
     enable_activation_checkpointing(model)  # as policy.parallel.activation_checkpointing does
@@ -189,9 +187,9 @@ def plain_side(args, raw: dict, folder: Path, work: Path) -> dict:
     from bench.plain_loop import pretokenize
 
     batches = pretokenize(raw, args.gpus, args.steps, work / "batches.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from sft_runtime.runtime.policy import rendezvous
+
+    store = rendezvous.serve()  # held until every rank is done
     job = {
         "folder": str(folder),
         "batches": str(batches),
@@ -199,7 +197,7 @@ def plain_side(args, raw: dict, folder: Path, work: Path) -> dict:
         "smoke": args.smoke,
         "out": str(work / "plain.json"),
     }
-    mp.spawn(plain_rank, args=(args.gpus, port, job), nprocs=args.gpus)
+    mp.spawn(plain_rank, args=(args.gpus, store.port, job), nprocs=args.gpus)
     return json.loads((work / "plain.json").read_text())
 
 

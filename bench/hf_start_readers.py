@@ -34,7 +34,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -180,14 +179,12 @@ def _rank(rank: int, port: int, folder: str, path: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from sft_runtime.runtime.policy import fsdp
+    from sft_runtime.runtime.policy import fsdp, rendezvous
     from sft_runtime.runtime.policy.config import ParallelConfig
     from sft_runtime.runtime.policy.hf_shards import skeleton
 
     torch.set_num_threads(1)  # two ranks on a shared machine
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
+    rendezvous.join("gloo", rank, WORLD, port=port)
     try:
         model = skeleton(folder)
         parallel = ParallelConfig(fsdp=True)
@@ -218,12 +215,6 @@ def _rank(rank: int, port: int, folder: str, path: str, out: str) -> None:
 
 
 # ------------------------------------------------------------------ in the benchmark
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _warm(folder: Path) -> None:
     """Every weight file read once, so each measurement finds them in the page cache."""
     for file in sorted(folder.glob("*.safetensors")):
@@ -236,10 +227,13 @@ def measure(folder: Path, path: str, out: Path) -> list[dict[str, Any]]:
     """Both ranks' results for one path, each rank a fresh process."""
     import torch.multiprocessing as mp
 
+    from sft_runtime.runtime.policy import rendezvous
+
     _warm(folder)
+    store = rendezvous.serve()  # held until both ranks are done
     start = time.monotonic()
     mp.start_processes(
-        _rank, args=(_free_port(), str(folder), path, str(out)), nprocs=WORLD, start_method=START
+        _rank, args=(store.port, str(folder), path, str(out)), nprocs=WORLD, start_method=START
     )
     got = [json.loads((out / f"{path}-{r}.json").read_text()) for r in range(WORLD)]
     fill, peak = max(g["seconds"] for g in got), max(g["peak_growth"] for g in got)

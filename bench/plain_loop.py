@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ class PlainLoop:
         import torch
         import torch.distributed as dist
 
+        from sft_runtime.runtime.policy import rendezvous
         from sft_runtime.runtime.policy.loss import NLLLossFn
         from sft_runtime.runtime.policy.model import build_model
 
@@ -54,9 +54,7 @@ class PlainLoop:
         random.seed(SEED + rank)
         np.random.seed(SEED + rank)
         torch.manual_seed(SEED + rank)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=world
-        )
+        rendezvous.join("gloo", rank, world, port=job["port"])
         if self.policy.model.kind == "hf":
             from transformers import AutoModelForCausalLM
 
@@ -176,12 +174,6 @@ class PlainLoop:
         return {"times": times, "cpu": cpu, "losses": losses, "phases": self.phases}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(job: dict, **popen: Any) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, __file__, json.dumps(job)],
@@ -195,13 +187,15 @@ def _start(job: dict, **popen: Any) -> subprocess.Popen:
 def plain_run(raw: dict, world: int, steps: int, batches: Path | None) -> dict:
     """Run the plain loop on `world` subprocesses; rank 0's step end times and losses, and
     every rank's CPU seconds at each step's end (``rank_cpu``)."""
-    port = _free_port()
+    from sft_runtime.runtime.policy import rendezvous
+
+    store = rendezvous.serve()  # held until every rank is done
     procs = []
     for rank in range(world):
         job = {
             "rank": rank,
             "world": world,
-            "port": port,
+            "port": store.port,
             "raw": raw,
             "steps": steps,
             "batches": str(batches) if batches else None,
@@ -220,7 +214,10 @@ class PlainTurns:
     `turn(n)` runs its next `n` steps and returns their durations."""
 
     def __init__(self, raw: dict, batches: Path) -> None:
-        job = {"rank": 0, "world": 1, "port": _free_port(), "raw": raw, "steps": 0}
+        from sft_runtime.runtime.policy import rendezvous
+
+        self._store = rendezvous.serve()  # held while the loop runs
+        job = {"rank": 0, "world": 1, "port": self._store.port, "raw": raw, "steps": 0}
         self.proc = _start({**job, "batches": str(batches), "turns": True}, stdin=subprocess.PIPE)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the plain loop did not start (exit {self.proc.wait()})")

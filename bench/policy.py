@@ -21,7 +21,6 @@ import functools
 import json
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,15 +74,14 @@ class _PlainLoop:
     def __init__(self, rank: int, port: int) -> None:
         import torch.distributed as dist
 
+        from sft_runtime.runtime.policy import rendezvous
         from sft_runtime.runtime.policy.loss import NLLLossFn
         from sft_runtime.runtime.policy.model import build_model
 
         torch.set_num_threads(1)
         self.dist = dist
         self.policy, _ = _configs()
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-        )
+        rendezvous.join("gloo", rank, WORLD, port=port)
         torch.manual_seed(0)
         self.model = build_model(self.policy.model)
         self.params = list(self.model.parameters())
@@ -147,9 +145,10 @@ def _baseline_child(rank: int, port: int) -> None:
 
 class _Baseline:
     def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from sft_runtime.runtime.policy import rendezvous
+
+        self._store = rendezvous.serve()  # held while the ranks run
+        port = self._store.port
         cmd = [sys.executable, __file__, "--baseline-rank"]
         self.procs = [
             subprocess.Popen(

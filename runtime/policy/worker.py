@@ -28,7 +28,6 @@ import random
 import resource
 import socket
 import time
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -38,6 +37,7 @@ import torch.distributed as dist
 
 from sft_runtime.runtime.data.batch import BatchSource
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy import rendezvous
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
 from sft_runtime.runtime.policy.results import (
@@ -98,6 +98,7 @@ class PolicyWorkerBase(LoaderOwner):
         torch.manual_seed(seed + rank)
         self.has_gpu = bool(cluster.gpus_per_worker)
         self.device = torch.device("cuda", 0) if self.has_gpu else torch.device("cpu")
+        self._store: dist.TCPStore | None = None  # the rendezvous rank 0 serves until it joins
         if self.has_gpu:
             torch.cuda.set_device(self.device)
         self.replica = Replica(policy, seed=seed, device=self.device)
@@ -111,24 +112,24 @@ class PolicyWorkerBase(LoaderOwner):
 
     # ----------------------------------------------------------------- distributed
     def rendezvous_address(self, *, _otel_carrier: dict | None = None) -> tuple[str, int]:
-        """This node's IP and a free TCP port on it (called on rank 0)."""
-        ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ip, port
+        """This node's IP and the port of the rendezvous store this rank (0) now serves."""
+        self._store = rendezvous.serve(self.cluster.dist_timeout_s)
+        return ray.util.get_node_ip_address(), int(self._store.port)
 
     def init_distributed(
         self, master_addr: str, master_port: int, *, _otel_carrier: dict | None = None
     ) -> dict[str, Any]:
         """Join the process group of all DP ranks; fails after ``cluster.dist_timeout_s``."""
         backend = "nccl" if self.has_gpu else "gloo"
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timedelta(seconds=self.cluster.dist_timeout_s),
+        store, self._store = self._store, None  # the process group keeps it from here on
+        rendezvous.join(
+            backend,
+            self.rank,
+            self.world_size,
+            host=master_addr,
+            port=master_port,
+            timeout_s=self.cluster.dist_timeout_s,
+            store=store,
         )
         if self.policy.parallel.fsdp:
             self.replica.shard(self.world_size)

@@ -12,7 +12,6 @@ whose LM head is tied to its embedding.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy import rendezvous
 from sft_runtime.runtime.policy.config import ParallelConfig
 from sft_runtime.runtime.policy.hf_model import load_hf_model
 from sft_runtime.runtime.policy.hf_shards import can_slice, fill_from_folder, skeleton
@@ -68,9 +68,7 @@ def _rank(rank: int, port: int, folder: str, out: str) -> None:
 
     from sft_runtime.runtime.policy import fsdp
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
+    rendezvous.join("gloo", rank, WORLD, port=port)
     try:
         whole = load_hf_model(folder)
         expected = whole.state_dict()
@@ -142,15 +140,10 @@ def _save_and_resume(model, folder: str, parallel: ParallelConfig, ckpt: Path) -
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_each_rank_reads_only_its_slices_and_they_equal_the_whole_load(folder, tmp_path):
     assert can_slice(str(folder))
-    mp.spawn(_rank, args=(_free_port(), str(folder), str(tmp_path)), nprocs=WORLD, join=True)
+    store = rendezvous.serve()  # held until both ranks are done
+    mp.spawn(_rank, args=(store.port, str(folder), str(tmp_path)), nprocs=WORLD, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     whole = sum(p.numel() for p in load_hf_model(str(folder)).parameters())
     for report in reports:

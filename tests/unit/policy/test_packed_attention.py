@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy import rendezvous
 from sft_runtime.runtime.policy.fsdp import enable_activation_checkpointing
 from sft_runtime.runtime.policy.hf_model import hf_logits, load_hf_model
 from sft_runtime.runtime.policy.packed_attention import (
@@ -219,8 +220,6 @@ def test_activation_checkpointing_recomputes_with_the_segments(tmp_path):
 def test_fsdp_casting_its_inputs_to_bf16_still_hands_the_segments_through(tmp_path):
     """FSDP2's mixed precision rebuilds containers in the forward's keywords to cast their
     tensors; the segments must reach attention (a copy would leave the caller's count at 0)."""
-    import socket
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -228,10 +227,8 @@ def test_fsdp_casting_its_inputs_to_bf16_still_hands_the_segments_through(tmp_pa
     build_model(tmp_path, family="llama", vocab_size=VOCAB, max_positions=64)
     _, ids, positions, segments = _rows(LAYOUT, WIDTH, seed=7)
     expected = hf_logits(load_hf_model(str(tmp_path)), ids, positions, segments).detach()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    store = rendezvous.serve()
+    rendezvous.join("gloo", 0, 1, port=store.port, store=store)
     try:
         model = load_hf_model(str(tmp_path))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
