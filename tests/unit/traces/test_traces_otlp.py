@@ -75,10 +75,16 @@ def test_spans_reach_an_otlp_http_receiver(receiver, run_scenario):
     assert "host.name" in res and "process.pid" in res
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def refused() -> Iterator[int]:
+    """A port bound but never listening: connections are refused, and while the test runs
+    no other process can start listening on it."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
 
 
 @pytest.fixture
@@ -95,9 +101,7 @@ def black_hole() -> Iterator[int]:
 
 @pytest.mark.parametrize("target", ["nothing_listening", "never_answers"])
 def test_shutdown_is_bounded_when_the_collector_is_down(target, request, run_scenario):
-    port = (
-        _closed_port() if target == "nothing_listening" else request.getfixturevalue("black_hole")
-    )
+    port = request.getfixturevalue("refused" if target == "nothing_listening" else "black_hole")
     timeout = 1.0
     out = run_scenario(
         "otlp",
