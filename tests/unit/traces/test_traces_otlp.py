@@ -75,33 +75,23 @@ def test_spans_reach_an_otlp_http_receiver(receiver, run_scenario):
     assert "host.name" in res and "process.pid" in res
 
 
-@pytest.fixture
-def refused() -> Iterator[int]:
-    """A port bound but never listening: connections are refused, and while the test runs
-    no other process can start listening on it."""
+@pytest.fixture(params=["nothing_listening", "never_answers"])
+def dead_collector(request) -> Iterator[tuple[str, int]]:
+    """A port held for the whole test, so no other process can start listening there:
+    bound but never listening (connections are refused), or listening but never answering
+    (the kernel's backlog accepts them)."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
+    if request.param == "never_answers":
+        s.listen(16)
     try:
-        yield s.getsockname()[1]
+        yield request.param, s.getsockname()[1]
     finally:
         s.close()
 
 
-@pytest.fixture
-def black_hole() -> Iterator[int]:
-    """A port that accepts connections (kernel backlog) but never answers."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(16)
-    try:
-        yield s.getsockname()[1]
-    finally:
-        s.close()
-
-
-@pytest.mark.parametrize("target", ["nothing_listening", "never_answers"])
-def test_shutdown_is_bounded_when_the_collector_is_down(target, request, run_scenario):
-    port = request.getfixturevalue("refused" if target == "nothing_listening" else "black_hole")
+def test_shutdown_is_bounded_when_the_collector_is_down(dead_collector, run_scenario):
+    target, port = dead_collector
     timeout = 1.0
     out = run_scenario(
         "otlp",
