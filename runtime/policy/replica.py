@@ -32,23 +32,16 @@ import torch.distributed as dist
 
 from sft_runtime.runtime.data.batch import SFTBatch
 from sft_runtime.runtime.errors import PeerStepError
-from sft_runtime.runtime.lora.adapters import (
-    adapter_parameters,
-    add_adapters,
-    check_adapters,
-    init_adapters,
-)
+from sft_runtime.runtime.lora.adapters import add_adapters, init_adapters
 from sft_runtime.runtime.policy import fsdp
 from sft_runtime.runtime.policy.config import PolicyConfig
-from sft_runtime.runtime.policy.hf_model import hf_state_dict, load_hf_state_dict, own_names
 from sft_runtime.runtime.policy.loss import NLLLossFn, read_metrics
 from sft_runtime.runtime.policy.model import build_model, forward_logits
+from sft_runtime.runtime.policy.replica_state import ReplicaState
 from sft_runtime.runtime.policy.results import StepFinished, StepUndone
 from sft_runtime.runtime.policy.schedule import lr_at
 from sft_runtime.traces.context import TRACER
 from sft_runtime.traces.spans import ALLREDUCE_SPAN, OPTIMIZER_SPAN
-
-TRAINER_STATE_FORMAT = 1
 
 
 @dataclass
@@ -64,7 +57,7 @@ class _OpenStep:
     loss_sum: float = 0.0
 
 
-class Replica:
+class Replica(ReplicaState):
     """Model, AdamW and the open step of one DP replica."""
 
     def __init__(self, policy: PolicyConfig, *, seed: int, device: torch.device) -> None:
@@ -288,89 +281,6 @@ class Replica:
         self.model.zero_grad(set_to_none=True)
         self._open = None
         return StepUndone(aborted=was_open, step=self.steps_done)
-
-    # ----------------------------------------------------------------- state
-    def weights(
-        self, *, include_frozen: bool = False, copy: bool = True
-    ) -> dict[str, torch.Tensor]:
-        """A copy of parameters and buffers as contiguous CPU tensors (safetensors-ready),
-        under the model's own names; a tied weight once. With LoRA, the adapters only (what
-        trains and what a checkpoint holds), unless ``include_frozen``. Without ``copy``,
-        the live tensors where the replica holds them whole (not sharded)."""
-        adapters_only = self.lora and not include_frozen
-        if self.sharded:  # a collective: every rank calls it
-            state = fsdp.full_state_dict(self.model, trainable_only=adapters_only)
-            state = {k: state[k] for k in own_names(self.model) if k in state}
-        elif adapters_only:
-            state = dict(adapter_parameters(self.model))
-        else:
-            state = hf_state_dict(self.model) if self.is_hf else self.model.state_dict()
-        if not copy:
-            return {k: v.detach() for k, v in state.items()}
-        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.lora:
-            check_adapters(self.model, tensors)
-        if self.sharded:
-            fsdp.load_full_state_dict(self.model, tensors)
-        elif self.lora:
-            self.model.load_state_dict(tensors, strict=False)
-        elif self.is_hf:
-            load_hf_state_dict(self.model, tensors)
-        else:
-            self.model.load_state_dict(tensors, strict=True)
-
-    @property
-    def is_hf(self) -> bool:
-        return self.policy.model.kind == "hf"
-
-    def optimizer_state(self) -> dict[str, Any]:
-        """AdamW state plus the schedule's step count; loadable with ``weights_only=True``.
-        Sharded, the whole state is gathered (a collective)."""
-        if self.sharded:
-            optimizer = fsdp.full_optimizer_state(self.model, self.optimizer)
-        else:
-            optimizer = self.optimizer.state_dict()
-        return {**self.trainer_state(), "optimizer": optimizer}
-
-    def trainer_state(self) -> dict[str, Any]:
-        """What the optimizer file holds besides the optimizer: the schedule's position."""
-        return {"format": TRAINER_STATE_FORMAT, "scheduler": {"steps_done": self.steps_done}}
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.load_trainer_state(state)
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    def load_trainer_state(self, state: dict[str, Any]) -> None:
-        if state.get("format") != TRAINER_STATE_FORMAT:
-            raise ValueError(f"unknown optimizer checkpoint format {state.get('format')!r}")
-        self.steps_done = int(state["scheduler"]["steps_done"])
-
-    # ----------------------------------------------------------------- sharded files
-    def save_shards(self, weights_path: str, optimizer_path: str | None) -> list[str]:
-        """This rank's shards of weights and optimizer (a collective; see
-        `runtime.checkpoint.sharded`)."""
-        optimizer = self.optimizer if optimizer_path else None
-        return fsdp.save_shards(self.model, optimizer, weights_path, optimizer_path, self.lora)
-
-    def load_shards(self, weights_path: str, optimizer_path: str | None) -> None:
-        optimizer = self.optimizer if optimizer_path else None
-        fsdp.load_shards(self.model, optimizer, weights_path, optimizer_path, self.lora)
-
-    @property
-    def lora(self) -> bool:
-        """A LoRA run: only the adapters train and are saved (`runtime.lora`)."""
-        return self.lora_targets is not None
-
-    def local_storage(self) -> dict[str, int]:
-        """Elements of parameters, gradients and optimizer state this rank holds, and of the
-        model it read from the folder at a sharded start (``start_read_*``)."""
-        storage = fsdp.local_storage(self.model, self.optimizer)
-        if self.start_read is not None:
-            storage["start_read_local"] = self.start_read["elements_read"]
-            storage["start_read_full"] = self.start_read["elements_whole"]
-        return storage
 
     # ----------------------------------------------------------------- helpers
     def _require_open(self, phase: str) -> _OpenStep:
