@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -62,7 +60,6 @@ CORE_EACH_TARGET = 1.05  # the end-to-end ratio where every worker and the contr
 SAMPLES = pick(4096, 1024)  # demo samples in a `workspace` data set
 SEED = 5
 RESUME_TARGET = 1.2
-CLI = Path(sys.executable).parent / "sft-runtime"
 
 # (a) compute-bound: a model big enough that loading is small next to a step (smoke: a
 # smaller one, the same rows and micro-batches)
@@ -216,80 +213,6 @@ def step_time(times: list[float]) -> float:
     """Mean seconds per step over the steady window (after WARMUP steps)."""
     window = times[WARMUP - 1 :]
     return (window[-1] - window[0]) / (len(window) - 1)
-
-
-# ------------------------------------------------------------------ resume and memory
-def _hwm_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _role(proc) -> str | None:
-    try:
-        cmd = " ".join(proc.cmdline())
-    except Exception:  # noqa: BLE001 - gone
-        return None
-    if "PolicyWorker" in cmd:
-        return f"worker:{proc.pid}"
-    if "SFTController" in cmd or "SFTSingleController" in cmd:
-        return "controller"
-    return None
-
-
-def cli_run(config_path: Path, run_dir: Path) -> dict:
-    """`sft-runtime train`: seconds from launch to the first step committed by this launch,
-    and the peak RSS (MiB) of the driver, the controller and the workers it started."""
-    import psutil
-
-    before = len(committed(run_dir)) if (run_dir / "events.jsonl").exists() else 0
-    start = time.time()
-    proc = subprocess.Popen(
-        [str(CLI), "train", str(config_path), "--run-dir", str(run_dir)],
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    peaks: dict[str, int] = {}
-    # a run that joins the shared Ray places its controller and workers under that Ray's
-    # raylet, not under its own driver
-    tree = ray_root() if shared_ray_address() else psutil.Process(proc.pid)
-    while proc.poll() is None:
-        peaks["driver"] = max(peaks.get("driver", 0), _hwm_kib(proc.pid))
-        try:
-            children = tree.children(recursive=True)
-        except psutil.Error:
-            children = []
-        for child in children:
-            role = _role(child)
-            if role is not None:
-                peaks[role] = max(peaks.get(role, 0), _hwm_kib(child.pid))
-        time.sleep(0.2)
-    if proc.returncode:
-        raise RuntimeError(f"sft-runtime train exited with {proc.returncode}")
-    records = committed(run_dir)[before:]
-    workers = sorted(v for k, v in peaks.items() if k.startswith("worker:"))
-    rss = {k: v / 1024 for k, v in peaks.items() if not k.startswith("worker:")}
-    rss.update({f"worker{i}": v / 1024 for i, v in enumerate(workers)})
-    return {"first_step_s": records[0].time - start, "rss": rss}
-
-
-def cli_env(*drop: str) -> dict[str, str]:
-    """The environment of an `sft-runtime` child: no Ray address from outside (the run
-    starts its own Ray, as a user's does), except in smoke mode the Ray the benchmark's runs
-    share (`shared_ray`), which it joins as a user joins a cluster (``RAY_ADDRESS``);
-    variables starting with ``drop`` left out too."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", *drop))}
-    env["RAY_AUTH_MODE"] = "disabled"
-    address = shared_ray_address()
-    if address:
-        env["RAY_ADDRESS"] = address
-    return env
 
 
 # ------------------------------------------------------------------ the benchmark

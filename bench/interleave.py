@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from bench import harness as h
+from bench.cli_runs import process_role
 from bench.plain_loop import PlainTurns
 
 TURN = 4  # steps per turn
@@ -89,7 +90,7 @@ class RuntimeTurns:
         if not self._pids:  # the run's processes are all up by its first commit: scan once
             # under this benchmark's Ray only: a machine may run other trainings
             for proc in h.ray_root().children(recursive=True):
-                if h._role(proc) is not None:
+                if process_role(proc) is not None:
                     self._pids.append(proc.pid)
                     self._pids.extend(child.pid for child in proc.children(recursive=True))
         pids = self._pids

@@ -26,6 +26,7 @@ from typing import Any
 if not __package__:  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import cli_runs  # noqa: E402
 from bench import harness as h  # noqa: E402
 from bench.table import Row  # noqa: E402
 
@@ -232,7 +233,7 @@ def run() -> list[dict]:
         for size in sizes:
             out = tmp / f"export-{size}"
             peak, seconds = child_peak(
-                [str(h.CLI), "export", str(run_dir), str(out), "--max-shard-size", size]
+                [str(cli_runs.CLI), "export", str(run_dir), str(out), "--max-shard-size", size]
             )
             files = len(list(out.glob("*.safetensors")))
             say(f"exported with --max-shard-size {size}")

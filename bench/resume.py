@@ -16,13 +16,14 @@ from pathlib import Path
 if not __package__:  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import cli_runs  # noqa: E402
 from bench import harness as h  # noqa: E402
 
 
 def run() -> list[dict]:
     rows: list[dict] = []
     # the runs start their own Ray, like a user's (smoke: they all join one started here, so
-    # that `h.cli_run` finds their processes under this one alone)
+    # that `cli_runs.cli_run` finds their processes under this one alone)
     with h.workspace(ray=False, own_ray=True) as (data, tmp):
         cold, warm, rss = resume_bench(data, tmp)
         c, w = statistics.median(cold), statistics.median(warm)
@@ -64,7 +65,7 @@ def resume_bench(data: Path, tmp: Path) -> tuple[list[float], list[float], dict]
         cfg = tmp / f"cold-{i}.yaml"
         end = SAVED if COLD_RUN_PREPARES else END
         cfg.write_text(yaml.safe_dump(h.raw_config(h.COMPUTE, data, cold_dir, end)))
-        out = h.cli_run(cfg, cold_dir)
+        out = cli_runs.cli_run(cfg, cold_dir)
         cold.append(out["first_step_s"])
         rss = out["rss"]
         if COLD_RUN_PREPARES:
@@ -73,7 +74,7 @@ def resume_bench(data: Path, tmp: Path) -> tuple[list[float], list[float], dict]
         shutil.copytree(prepared, warm_dir)
         cfg = tmp / f"warm-{i}.yaml"
         cfg.write_text(yaml.safe_dump(h.raw_config(h.COMPUTE, data, warm_dir, END)))
-        warm.append(h.cli_run(cfg, warm_dir)["first_step_s"])
+        warm.append(cli_runs.cli_run(cfg, warm_dir)["first_step_s"])
     return cold, warm, rss
 
 

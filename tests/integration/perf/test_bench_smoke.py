@@ -25,6 +25,7 @@ from bench.run_all import BENCHMARKS  # noqa: E402
 NOT_BENCHMARKS = {
     "__init__",
     "harness",  # shared helpers
+    "cli_runs",  # `sft-runtime` launched as a user launches it
     "cpu_share",  # CPU per step of a run's processes
     "timeline",  # where a worker's step goes, read from a run's spans
     "table",  # the row and its table
