@@ -294,9 +294,11 @@ def _actor_state(actor_id: str) -> str:
     return ray._private.state.actors().get(actor_id, {}).get("State", "UNKNOWN")
 
 
-def _eventually(check, tries: int = 100) -> bool:
-    """Poll a condition that Ray settles asynchronously (bounded, not a timing assertion)."""
-    for _ in range(tries):
+def _eventually(check, bound_s: float = 120.0) -> bool:
+    """Poll a condition that Ray settles asynchronously (bounded, not a timing assertion:
+    the bound is far beyond what a busy machine takes)."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
         if check():
             return True
         time.sleep(0.1)
