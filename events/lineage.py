@@ -153,6 +153,12 @@ class Attempt:
     repaired_bytes: int = 0
     stop_reason: str | None = None
     stop_error: str | None = None
+    # from its run_started: the digest of the keys that decide a step, those keys changed
+    # since the checkpoint it resumed from (key -> [old, new]), and whether AdamW's state
+    # was restored (False: it started fresh)
+    config_digest: str | None = None
+    config_changes: dict[str, list[Any]] = field(default_factory=dict)
+    optimizer_restored: bool | None = None
 
     @property
     def outcome(self) -> str:
@@ -181,6 +187,9 @@ def history(log: LogLike) -> History:
         data = rec.data
         if rec.type == "run_started":
             att.resumed_from_step = data.get("resumed_from_step")
+            att.config_digest = data.get("config_digest")
+            att.config_changes = dict(data.get("config_changes") or {})
+            att.optimizer_restored = data.get("optimizer_restored")
         elif rec.type == "step_committed":
             att.steps += 1
             att.first_step = data["step"] if att.first_step is None else att.first_step
@@ -221,17 +230,31 @@ class Divergence:
 
 
 def compare_reexecutions(log: LogLike) -> tuple[int, list[Divergence]]:
-    """(number of re-executions compared, every divergence found, in step order)."""
+    """(number of re-executions compared, every divergence found, in step order).
+
+    Two executions are compared only when their attempts computed alike: a run_started
+    ``config_digest`` that differs says the user changed a key that decides a step (the
+    change is recorded there), and ``optimizer_restored: false`` that AdamW started fresh,
+    so their steps are not expected to match.
+    """
     source = _source(log)
     limits = resume_limits(source)
     first_runs: dict[tuple[str, int], Record] = {}
+    digests: dict[int, str | None] = {}
     compared, found = 0, []
     for rec in source:
+        if rec.type == "run_started":
+            digests[rec.attempt] = rec.data.get("config_digest")
+            if rec.data.get("optimizer_restored") is False:
+                digests[rec.attempt] = f"{digests[rec.attempt]}, AdamW started fresh"
         if rec.type not in _COMPARED:
             continue
         step = rec.data["step"]
         earlier = first_runs.get((rec.type, step))
-        if earlier is not None:
+        if earlier is not None and _other_config(digests, earlier.attempt, rec.attempt):
+            if step > limits.get(rec.attempt, math.inf):
+                first_runs[rec.type, step] = rec  # a later attempt may run it alike
+        elif earlier is not None:
             compared += 1
             diff = _differ(earlier, rec)
             if diff is not None:
@@ -239,6 +262,11 @@ def compare_reexecutions(log: LogLike) -> tuple[int, list[Divergence]]:
         elif step > limits.get(rec.attempt, math.inf):
             first_runs[rec.type, step] = rec  # rolled back: a later attempt runs it again
     return compared, sorted(found, key=lambda d: d.step)
+
+
+def _other_config(digests: dict[int, str | None], first: int, later: int) -> bool:
+    a, b = digests.get(first), digests.get(later)
+    return a is not None and b is not None and a != b
 
 
 def divergence(log: LogLike) -> Divergence | None:

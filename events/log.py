@@ -20,7 +20,7 @@ import orjson
 from sft_runtime.events.errors import EventLogError, EventLogLocked
 from sft_runtime.events.record import _SUFFIX_LEN, Record, encode
 from sft_runtime.events.scan import ScanState, scan_lines
-from sft_runtime.events.schemas import EventPayload, LogRepaired
+from sft_runtime.events.schemas import EventPayload, LogRepaired, json_safe
 
 _RUN_STARTED = b'"type":"run_started"'
 _TAIL_BYTES = 1 << 20  # far more than one record
@@ -174,8 +174,10 @@ class _FileSink:
                 view = view[os.write(self.fd, view) :]
             if durable and self.fsync:
                 os.fsync(self.fd)
-        except BaseException:
+        except BaseException as exc:
             os.ftruncate(self.fd, start)
+            if isinstance(exc, OSError) and exc.filename is None:
+                exc.filename = str(self.path)  # "No space left on device: '.../events.jsonl'"
             raise
 
     def size(self) -> int:
@@ -235,7 +237,7 @@ class EventLog:
         if self._sink is None:
             raise EventLogError(f"{self.path}: the log is closed")
         type_ = payload.event_type
-        data = payload.model_dump(mode="json")
+        data = json_safe(payload.model_dump(mode="json"))
         now = _time.time() if time is None else time
         seq, prev = self._state.next_seq, self._state.prev
         line, digest = encode(seq, type_, now, self.attempt, data, prev)

@@ -14,14 +14,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sft_runtime.events.lineage import LogLike, records_in_effect
+from sft_runtime.events.schemas import as_float
 
 
-@dataclass(frozen=True)
+def same(a: float | None, b: float | None) -> bool:
+    """Equal as stored: two NaNs (a step that diverged the same way in both runs) agree."""
+    return a == b or (a is not None and b is not None and a != a and b != b)
+
+
+@dataclass(frozen=True, eq=False)
 class StepFacts:
     loss: float
     grad_norm: float
     digests: tuple[str, ...]
     lr: float | None = None  # the rate the step's update used: a changed schedule shows here first
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepFacts):
+            return NotImplemented
+        return self.digests == other.digests and all(
+            same(getattr(self, name), getattr(other, name)) for name in ("loss", "grad_norm", "lr")
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # compared, never hashed
 
 
 @dataclass(frozen=True)
@@ -36,7 +51,9 @@ class StepDiff:
 
     @property
     def loss_delta(self) -> float | None:
-        return None if self.a is None or self.b is None else self.b.loss - self.a.loss
+        if self.a is None or self.b is None:
+            return None
+        return 0.0 if same(self.a.loss, self.b.loss) else self.b.loss - self.a.loss
 
     @property
     def differing_ranks(self) -> tuple[int, ...]:
@@ -56,7 +73,7 @@ class StepDiff:
             out.append(("samples", self.a.digests, self.b.digests))
         for name in ("loss", "grad_norm", "lr"):
             a, b = getattr(self.a, name), getattr(self.b, name)
-            if a != b:
+            if not same(a, b):
                 out.append((name, a, b))
         return out
 
@@ -92,10 +109,10 @@ def step_facts(log: LogLike) -> dict[int, StepFacts]:
     """The committed steps in effect (the last execution of a step that was re-run)."""
     return {
         r.data["step"]: StepFacts(
-            float(r.data["loss"]),
-            float(r.data["grad_norm"]),
+            as_float(r.data["loss"]),
+            as_float(r.data["grad_norm"]),
             tuple(r.data["sample_digests"]),
-            None if r.data.get("lr") is None else float(r.data["lr"]),
+            None if "lr" not in r.data else as_float(r.data["lr"]),
         )
         for r in records_in_effect(log)
         if r.type == "step_committed"

@@ -7,10 +7,37 @@ than half-understood.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def as_float(value: Any) -> float:
+    """A stored measurement as a float. A non-finite value is stored as the string ``"NaN"``,
+    ``"Infinity"`` or ``"-Infinity"`` (JSON has no literal for it); logs written before that
+    hold ``null`` there, which reads as NaN, so every log ever written stays readable."""
+    return math.nan if value is None else float(value)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float spelled as a string (see `as_float`): orjson
+    would write ``null``, which says "absent", not "diverged"."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value
+
+
+#: A measured number (a loss, a norm, a rate, seconds): finite, or NaN/inf when a step
+#: diverged; ``null`` in an older log reads as NaN.
+Measured = Annotated[float, BeforeValidator(lambda v: math.nan if v is None else v)]
 
 
 class EventPayload(BaseModel):
@@ -26,11 +53,20 @@ class RunStarted(EventPayload):
     """An attempt began: fresh (``resumed_from_step`` None) or from checkpoint K."""
 
     event_type: ClassVar[str] = "run_started"
+    schema_version: int = 2
     placement_hash: str
     resumed_from_step: int | None = None
     max_steps: int | None = None
     logical_world_size: int | None = None
+    # sha256 of the config keys that decide a step (runtime/resume/config_keys.py):
+    # attempts with one digest compute alike
     config_digest: str | None = None
+    # key -> [old, new] of those keys changed since the checkpoint resumed from (allowed by
+    # the user, or an optimizer key after a divergence); None: not compared (version 1)
+    config_changes: dict[str, list[Any]] | None = None
+    # a resume found AdamW's state in the checkpoint (False: it started fresh); None: a
+    # fresh start, or not recorded (version 1)
+    optimizer_restored: bool | None = None
     node_ids: list[str] = Field(default_factory=list)
     host: str | None = None
     pid: int | None = None
@@ -58,10 +94,10 @@ class StepCommitted(EventPayload):
     # samples over the length limit (cut or dropped) and samples the chat template refused
     overlong_samples: int = Field(0, ge=0)
     skipped_samples: int = Field(0, ge=0)
-    loss: float
-    grad_norm: float
-    lr: float
-    timings: dict[str, float] = Field(default_factory=dict)
+    loss: Measured
+    grad_norm: Measured
+    lr: Measured
+    timings: dict[str, Measured] = Field(default_factory=dict)
     sample_digests: list[str] = Field(default_factory=list)
     trace_id: str | None = None
     span_id: str | None = None
@@ -88,7 +124,7 @@ class CheckpointSaved(EventPayload):
     total_steps: int
     consumed_samples: int
     total_valid_tokens: int
-    metric: float | None = None
+    metric: float | None = None  # null: no metric (or a non-finite one)
     seconds: float = 0.0
 
 
@@ -97,7 +133,7 @@ class ValidationCompleted(EventPayload):
 
     event_type: ClassVar[str] = "validation_completed"
     step: int = Field(ge=0)
-    loss: float
+    loss: Measured
     tokens: int = Field(ge=0)
     samples: int = Field(ge=0)
     sample_digest: str
@@ -110,7 +146,9 @@ class RunStopped(EventPayload):
     """The attempt ended, and why."""
 
     event_type: ClassVar[str] = "run_stopped"
-    reason: Literal["completed", "budget_reached", "interrupted", "failed", "timeout"]
+    schema_version: int = 2
+    # diverged: a step's loss or gradient norm was not finite, and its update was not applied
+    reason: Literal["completed", "budget_reached", "interrupted", "failed", "timeout", "diverged"]
     last_step: int = Field(ge=0)
     error: str | None = None
 
@@ -151,6 +189,15 @@ UPCASTERS: dict[tuple[str, int], Upcaster] = {
         **d,
         "overlong_samples": 0,
         "skipped_samples": 0,
+        "schema_version": 2,
+    },
+    # version 2 added the reason "diverged"; a version 1 record never has it
+    ("run_stopped", 1): lambda d: {**d, "schema_version": 2},
+    # version 1 compared no config on resume and did not say whether AdamW was restored
+    ("run_started", 1): lambda d: {
+        **d,
+        "config_changes": None,
+        "optimizer_restored": None,
         "schema_version": 2,
     },
 }

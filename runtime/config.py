@@ -28,10 +28,11 @@ from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.metrics.metrics_log import LoggerConfig
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout
 from sft_runtime.runtime.validation.config import check_validation
+from sft_runtime.runtime.yaml_keys import check_unique_keys
 from sft_runtime.states import StepRules
 from sft_runtime.traces.config import TelemetryConfig
 
-_Strict = ConfigDict(extra="forbid")
+_Strict = ConfigDict(extra="forbid", allow_inf_nan=False)  # `lr: .inf` is bad input
 
 
 class PolicySection(PolicyConfig):
@@ -70,6 +71,10 @@ class SFTConfig(BaseModel):
     val_global_batch_size: int | None = Field(None, ge=1)  # default: the training one's
     val_micro_batch_size: int | None = Field(None, ge=1)
     only_unmask_final: bool = False
+    # A step whose loss or gradient norm is not finite never updates the weights. By default
+    # the run then stops (exit 1) and resumes from its last checkpoint; true skips the update,
+    # commits the step (its loss is recorded as it was) and counts it, as Megatron does.
+    skip_nonfinite_steps: bool = False
 
 
 class DataPlaneConfig(BaseModel):
@@ -165,15 +170,23 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Read a YAML file, apply ``a.b.c=value`` overrides, validate. Errors name the key."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text()
+        raw = yaml.safe_load(text)
     except FileNotFoundError:
         raise UserInputError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise UserInputError(f"{path}: a directory, not a config file") from None
+    except OSError as exc:
+        raise UserInputError(f"{path}: cannot read the config file ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise UserInputError(f"{path}: not a text file (a YAML config is UTF-8 text)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise UserInputError(
             f"{path}{where}: invalid YAML ({getattr(exc, 'problem', exc)})"
         ) from None
+    check_unique_keys(text, str(path))  # YAML would keep the second silently
     if not isinstance(raw, dict):
         raise UserInputError(f"{path}: the config must be a mapping of sections")
     for item in overrides:

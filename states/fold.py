@@ -38,13 +38,20 @@ def run_started_event(
     node_ids: Sequence[str],
     host: str,
     pid: int,
+    config_digest: str | None = None,
+    config_changes: dict[str, list[Any]] | None = None,
+    optimizer_restored: bool | None = None,
 ) -> RunStarted:
-    """An attempt starts from ``state`` (the initial one, or a checkpoint's)."""
+    """An attempt starts from ``state`` (the initial one, or a checkpoint's) with a config
+    of digest ``config_digest``, changed since that checkpoint by ``config_changes``."""
     return RunStarted(
         placement_hash=state.placement_hash,
         resumed_from_step=state.total_steps or None,
         max_steps=max_steps,
         logical_world_size=logical_world_size,
+        config_digest=config_digest,
+        config_changes={} if config_changes is None else dict(config_changes),
+        optimizer_restored=optimizer_restored,
         node_ids=list(node_ids),
         host=host,
         pid=pid,

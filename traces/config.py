@@ -12,7 +12,7 @@ ExporterName = Literal["otlp", "jaeger_file", "console", "memory", "none"]
 class TelemetryConfig(BaseModel):
     """Which OpenTelemetry exporters a run uses, and how long export may block."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = False
     service_name: str = "sft-runtime"

@@ -104,6 +104,17 @@ class Telemetry:
 
         return _bounded("shut down telemetry", stop, bound)
 
+    def discard_files(self) -> None:
+        """Shut down and remove the trace files this process wrote: a launch that was refused
+        before its attempt began leaves no traces of an attempt the log never had."""
+        self.shutdown()
+        for exporter in self.span_exporters:
+            for path in getattr(exporter, "paths", ()):
+                path.unlink(missing_ok=True)
+                for folder in (path.parent, path.parent.parent):  # parts/, then traces/
+                    if folder.is_dir() and not any(folder.iterdir()):
+                        folder.rmdir()
+
     def _bound(self) -> float:
         return self.config.shutdown_timeout_s if self.config is not None else 2.0
 

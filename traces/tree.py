@@ -52,7 +52,8 @@ def run_spans(run_dir: str | Path) -> Callable[[], Pairs]:
     any (the most complete: a crashed run has no merged file), else the merged files."""
     run = Path(run_dir)
     if not run.is_dir():
-        raise TraceFileError(f"{run}: no such run directory")
+        what = "a file, not a run directory" if run.exists() else "no such run directory"
+        raise TraceFileError(f"{run}: {what}")
     if part_files(run):
         return lambda: read_parts(run)
     tdir = trace_dir(run)

@@ -17,7 +17,7 @@ _DEADLINE = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
 
 
 class CheckpointingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
     checkpoint_dir: str | None = None  # default: <run_dir>/checkpoints
@@ -30,6 +30,9 @@ class CheckpointingConfig(BaseModel):
     checkpoint_must_save_by: str | None = None  # "DD:HH:MM:SS" after the controller starts
     save_optimizer: bool = True
     background_writes: bool = True  # workers write while the next steps train
+    # resume even though keys that decide a step changed since the checkpoint (recorded in
+    # run_started); `train --allow-config-change` sets it for one launch (config_change.py)
+    allow_config_change: bool = False
 
     @field_validator("metric_name")
     @classmethod

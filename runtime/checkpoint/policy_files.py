@@ -168,10 +168,13 @@ def capture_rng(num_threads: int) -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any], num_threads: int, path: str) -> None:
-    """Restore RNG states; refuse a thread count other than the one that wrote them."""
+def restore_rng(
+    state: dict[str, Any], num_threads: int, path: str, *, allow_change: bool = False
+) -> None:
+    """Restore RNG states; refuse a thread count other than the one that wrote them, unless
+    the user allowed the change (`config_change.py`: it is recorded in run_started)."""
     saved = int(state["num_threads"])
-    if saved != num_threads:
+    if saved != num_threads and not allow_change:
         raise UserInputError(
             f"checkpoint {path} was written with {saved} torch thread(s) per worker but "
             f"cluster.num_threads_per_worker={num_threads}; results would not be bitwise "

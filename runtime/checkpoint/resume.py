@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sft_runtime.events import read_log, records_in_effect
 from sft_runtime.events.log import log_path
+from sft_runtime.runtime.checkpoint.layout import check_layout
 from sft_runtime.runtime.checkpoint.loader_states import loader_state_blobs
 from sft_runtime.runtime.checkpoint.store import LOADERS_NAME, CheckpointDir
 from sft_runtime.runtime.errors import UserInputError
@@ -55,7 +56,8 @@ def find_resume_point(run_dir: Path | str, ckpt: CheckpointDir) -> ResumePoint:
 
 
 def check_checkpoint(reader, ckpt: CheckpointDir, step: int) -> tuple[SFTV2SaveState, list, Path]:
-    """The checkpoint's save state, loader states and policy dir, if it agrees with the log."""
+    """The checkpoint's save state, loader states and policy dir, if it agrees with the log
+    and its files are laid out as its own config.yaml says (`layout.check_layout`)."""
     info = ckpt.info(step)
     where = ckpt.path(step)
     try:
@@ -79,4 +81,5 @@ def check_checkpoint(reader, ckpt: CheckpointDir, step: int) -> tuple[SFTV2SaveS
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file is bad input
         raise UserInputError(f"{loaders}: unreadable loader states ({exc})") from None
+    check_layout(where)  # weights and optimizer as its config.yaml wrote them, read safely
     return saved, states, where / "policy"

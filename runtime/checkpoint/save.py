@@ -28,17 +28,28 @@ import yaml
 from sft_runtime.events import CheckpointSaved
 from sft_runtime.runtime.checkpoint.config import CheckpointingConfig
 from sft_runtime.runtime.checkpoint.loader_states import dumps_loader_states
+from sft_runtime.runtime.checkpoint.recorded import record_path
 from sft_runtime.runtime.checkpoint.store import LOADERS_NAME, CheckpointDir
-from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.errors import UserInputError, quietly
+from sft_runtime.runtime.process.disk_full import FULL_ERRNOS, error_chain
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.states import SFTV2SaveState
 from sft_runtime.states.fold import checkpoint_saved_event
 
 CHECKPOINT_FORMAT = 1
+IDENTITIES_INFO_KEY = "input_identities"  # in training_info.json: see `Checkpointer`
 
 
 class CheckpointWriteError(OSError):
-    """Writing a checkpoint failed (disk full, say): the run stops, nothing saved is lost."""
+    """Writing a checkpoint failed (disk full, say): the run stops, nothing saved is lost.
+    ``written`` names the checkpoint (`disk_full_error` reports it as what was written)."""
+
+    def __init__(self, code: int | None, message: str, written: str = "") -> None:
+        super().__init__(code, message)
+        self.written = written
+
+    def __reduce__(self):  # the name of the checkpoint crosses Ray with it
+        return (type(self), (self.errno, self.strerror, self.written))
 
 
 def state_metric(
@@ -73,14 +84,21 @@ class Checkpointer:
         *,
         run_config: dict[str, Any],
         num_threads: int,
+        identities: dict[str, str] | None = None,
     ) -> None:
         """``run_config``: the whole run config as plain data (each checkpoint keeps a
-        copy); ``num_threads``: the workers' torch threads (a bitwise resume needs them)."""
+        copy; its ``logger.log_dir`` is the run directory that `checkpoint_saved` records
+        the checkpoint's folder against); ``num_threads``: the workers' torch threads (a
+        bitwise resume needs them); ``identities``: what the config's paths hold (the data
+        set's, the model's and the tokenizer's content digests), so a resume can tell a
+        moved input from a changed one."""
         self.section = section
         self.group = group
         self.store = store
         self.num_threads = num_threads
+        self.run_dir = (run_config.get("logger") or {}).get("log_dir")
         self._config_yaml = config_yaml(run_config)  # ~2 ms: once a run
+        self._identities = dict(identities or {})
 
     def metric(
         self, metrics: dict[str, Any], val_metrics: dict[str, Any] | None = None
@@ -135,6 +153,7 @@ class Checkpointer:
             "metric": next(iter(metric.values()), None),
             "attempt": attempt,
             "num_threads_per_worker": self.num_threads,
+            IDENTITIES_INFO_KEY: self._identities,
         }
 
     def prune(self) -> list[int]:
@@ -186,18 +205,29 @@ class CheckpointWrite:
             fault_point("saving:before_rename", step=step, attempt=attempt)
             final = store.commit(step, self.tmp, full_info)
             fault_point("saving:after_rename", step=step, attempt=attempt)
-        except OSError as exc:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        except BaseException as exc:
+            self._remove_tmp(settle=isinstance(exc, Exception))
+            # a worker's refused write arrives wrapped (`PolicyWorkerError`): found the same
+            refused = exc if isinstance(exc, OSError) else _refused_write(exc)
+            if refused is None:
+                raise
             raise CheckpointWriteError(
-                exc.errno,
-                f"could not write checkpoint {store.path(step)} ({exc.strerror or exc}); the "
-                "previous checkpoints and the event log are unchanged",
+                refused.errno,
+                f"could not write checkpoint {store.path(step)} ({refused.strerror or refused}); "
+                "the previous checkpoints and the event log are unchanged",
+                written=f"checkpoint {store.path(step)}",
             ) from exc
-        except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
         seconds = time.perf_counter() - self.started
-        return checkpoint_saved_event(self.state, final, self.info["metric"], seconds)
+        recorded = record_path(final, self.owner.run_dir)  # the tools find it from the log
+        return checkpoint_saved_event(self.state, recorded, self.info["metric"], seconds)
+
+    def _remove_tmp(self, *, settle: bool) -> None:
+        """Remove the temporary folder; with ``settle``, once the workers' writes into it
+        ended (a rank still writing when another failed would put files back in it)."""
+        if settle:
+            wave, group = self.wave, self.owner.group
+            quietly("wait for the workers' writes", lambda: group.settle(wave, DISCARD_WAIT_S))
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def discard(self) -> None:
         """Give the checkpoint up: wait (errors ignored) for the workers, drop the files."""
@@ -206,6 +236,13 @@ class CheckpointWrite:
 
 
 DISCARD_WAIT_S = 30.0
+
+
+def _refused_write(exc: BaseException) -> OSError | None:
+    """The write refused for space or quota somewhere inside ``exc`` (a worker's), if any."""
+    return next(
+        (e for e in error_chain(exc) if isinstance(e, OSError) and e.errno in FULL_ERRNOS), None
+    )
 
 
 def config_yaml(config: dict[str, Any]) -> str:

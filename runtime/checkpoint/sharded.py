@@ -41,15 +41,13 @@ def save_shards(directory: str, state: dict[str, Any]) -> list[str]:
 
 
 def load_shards(directory: str, state: dict[str, Any]) -> None:
-    """Fill ``state`` (this rank's shards, as `sharded_state` built them) in place."""
-    import torch.distributed.checkpoint as dcp
+    """Fill ``state`` (this rank's shards, as `sharded_state` built them) in place, read
+    through the allow-list (`safe_dcp`): a checkpoint's files never run code."""
+    from sft_runtime.runtime.checkpoint import safe_dcp
 
     if not is_sharded(directory):
         raise UserInputError(
             f"{directory}: not a sharded checkpoint (no {METADATA}); it was written with "
             "policy.parallel.fsdp=false - resume with that setting"
         )
-    try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
-    except Exception as exc:  # noqa: BLE001 - missing or damaged shard files are bad input
-        raise UserInputError(f"{directory}: unreadable sharded checkpoint ({exc})") from exc
+    safe_dcp.load(state, directory)

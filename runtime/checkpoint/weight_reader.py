@@ -6,13 +6,14 @@ checkpoint's ``policy/weights`` can have are read by name, lazily: a safetensors
 sharded (FSDP2) checkpoint through torch.distributed.checkpoint's metadata and a load of just
 the keys asked for (its reader fetches each tensor's byte ranges from the rank files, so the
 other tensors are never read). What the reader holds between calls is the metadata only.
+Sharded folders are read through `safe_dcp`, whose allow-list keeps a crafted file from
+running code.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -102,37 +103,24 @@ class WeightReader:
                 raise UserInputError(f"{file}: unreadable weights ({exc})") from exc
 
     def _read_dcp_metadata(self) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        try:
-            metadata = dcp.FileSystemReader(str(self.directory)).read_metadata()
-        except Exception as exc:  # noqa: BLE001 - a damaged metadata file is bad input
-            raise UserInputError(
-                f"{self.directory}: unreadable sharded checkpoint ({exc})"
-            ) from None
+        from sft_runtime.runtime.checkpoint import safe_dcp
+
+        metadata = safe_dcp.read_metadata(self.directory)  # the allow-list: runs no code
         for key, meta in metadata.state_dict_metadata.items():
             if isinstance(meta, TensorStorageMetadata) and key.startswith(SHARDED_PREFIX):
                 name = key.removeprefix(SHARDED_PREFIX)
                 self.specs[name] = (meta.properties.dtype, tuple(meta.size))
 
     def _read_dcp(self, names: list[str]) -> dict[str, torch.Tensor]:
-        import torch.distributed.checkpoint as dcp
+        from sft_runtime.runtime.checkpoint import safe_dcp
 
         state = {
             SHARDED_PREFIX + name: torch.empty(self.specs[name][1], dtype=self.specs[name][0])
             for name in names
         }
-        try:
-            with warnings.catch_warnings():  # "no process group: loading in one process"
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(
-                    state, storage_reader=dcp.FileSystemReader(str(self.directory)), no_dist=True
-                )
-        except Exception as exc:  # noqa: BLE001 - a missing or truncated shard
-            raise UserInputError(
-                f"{self.directory}: unreadable sharded checkpoint ({exc})"
-            ) from exc
+        safe_dcp.load(state, self.directory, no_dist=True)  # one process, no process group
         return {name: state[SHARDED_PREFIX + name] for name in names}
 
 

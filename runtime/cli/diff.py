@@ -41,10 +41,11 @@ _MISSING = "<absent>"
 
 
 def run_config(run_dir: Path) -> dict | None:
-    """The config of the run's newest checkpoint (None when it saved none)."""
-    from sft_runtime.runtime.checkpoint.store import CheckpointDir
+    """The config of the run's newest checkpoint, in the folder the log records its
+    checkpoints in (None when it holds none)."""
+    from sft_runtime.runtime.checkpoint.recorded import checkpoint_store
 
-    store = CheckpointDir(run_dir / "checkpoints")
+    store = checkpoint_store(run_dir)
     steps = store.steps()
     if not steps:
         return None
@@ -63,11 +64,47 @@ def cmd_diff(args: argparse.Namespace) -> int:
     configs = [run_config(args.run_a), run_config(args.run_b)]
     changed = [] if None in configs else dotted_diff(*configs)
     result = diff_runs(*readers)
+    resumes = [changed_attempts(reader) for reader in readers]
     if args.json:
-        print(json.dumps(_as_json(changed, configs, result), sort_keys=True))
+        shown = _as_json(changed, configs, result)
+        shown["changed_resumes"] = {"a": resumes[0], "b": resumes[1]}
+        print(json.dumps(shown, sort_keys=True))
     else:
+        for label, attempts in zip("AB", resumes, strict=True):
+            _print_resumes(label, attempts)
         _print(changed, configs, result)
     return 0 if result.identical else 1
+
+
+def changed_attempts(reader: Any) -> list[dict[str, Any]]:
+    """The attempts of a run that resumed with a changed config or a fresh optimizer (from
+    their run_started): within one run, where its steps stop matching what came before."""
+    from sft_runtime.events import history
+
+    return [
+        {
+            "attempt": att.number,
+            "resumed_from_step": att.resumed_from_step,
+            "config_digest": att.config_digest,
+            "config_changes": att.config_changes,
+            "optimizer_restored": att.optimizer_restored,
+        }
+        for att in history(reader).attempts
+        if att.config_changes or att.optimizer_restored is False
+    ]
+
+
+def _print_resumes(label: str, attempts: list[dict[str, Any]]) -> None:
+    for att in attempts:
+        changes = "; ".join(
+            f"{key}: {json.dumps(old)} -> {json.dumps(new)}"
+            for key, (old, new) in att["config_changes"].items()
+        )
+        fresh = "" if att["optimizer_restored"] is not False else " AdamW started fresh."
+        print(
+            f"run {label}: attempt {att['attempt']} resumed from step "
+            f"{att['resumed_from_step']}" + (f" with {changes}." if changes else ".") + fresh
+        )
 
 
 def _as_json(changed, configs, result) -> dict:

@@ -30,13 +30,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="a LoRA run: write its base with the adapters merged (default: peft's adapter folder)",
     )
-    p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN_DIR/checkpoints")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="look for the checkpoints here (default: where the log records them)",
+    )
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from sft_runtime.runtime.export.hf_export import export_checkpoint
+    from sft_runtime.runtime.launch.run_dirs import require_run_dir
 
+    if args.checkpoint_dir is None or args.run_dir.exists():  # its checkpoints may lie elsewhere
+        require_run_dir(args.run_dir)
     export_checkpoint(
         args.run_dir,
         args.out,

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from sft_runtime.events import compare_reexecutions, history, read_log, records_in_effect
 from sft_runtime.events.log import log_path
+from sft_runtime.events.schemas import as_float
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.launch.run_dirs import require_run_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,14 +41,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("verify", help="hash chain, lineage, checkpoints, divergence of re-runs")
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN_DIR/checkpoints")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="look for the checkpoints here (default: where the log records them)",
+    )
+    p.add_argument(
+        "--log-only",
+        action="store_true",
+        help="check the log alone, not its checkpoints (a log copied without them)",
+    )
     p.set_defaults(func=cmd_verify)
 
 
 def _reader(run_dir: Path, *, validate: bool = False):
     path = log_path(run_dir)
-    if not path.parent.is_dir():
-        raise UserInputError(f"{path.parent}: no such run directory")
+    require_run_dir(path.parent)  # RUN_DIR, or the folder of the events file given
     if not path.is_file():
         raise UserInputError(f"{path}: no event log (is this a run directory?)")
     return read_log(path, validate=validate)
@@ -101,6 +112,8 @@ def cmd_events(args: argparse.Namespace) -> int:
             )
         if att.repaired_bytes:
             console.print(f"attempt {att.number} cut a torn tail of {att.repaired_bytes} bytes")
+        for line in config_notes(att):
+            console.print(line, markup=False)
     if reader.torn_bytes:
         console.print(f"torn last line: {reader.torn_bytes} bytes (cut off on the next resume)")
     if args.timeline:
@@ -108,7 +121,8 @@ def cmd_events(args: argparse.Namespace) -> int:
             step = rec.data.get("step", "")
             extra = ""
             if rec.type == "step_committed":
-                extra = f"loss={rec.data['loss']:.6g} trace={rec.data.get('trace_id') or '-'}"
+                loss, trace_id = as_float(rec.data["loss"]), rec.data.get("trace_id") or "-"
+                extra = f"loss={loss:.6g} trace={trace_id}"
             elif rec.type == "step_aborted":
                 extra = (
                     f"{rec.data['phase']}: {rec.data['error_type']} "
@@ -124,6 +138,27 @@ def cmd_events(args: argparse.Namespace) -> int:
         title = f"{args.run_dir} ({count} attempt{'' if count == 1 else 's'})"
         print(f"plot: {plot.write_plot(reader, args.plot, title=title)}")
     return 0
+
+
+def config_notes(att) -> list[str]:
+    """What an attempt's run_started says it changed: config keys that decide a step (the
+    steps it ran are not expected to match the checkpoint's run) and a fresh optimizer."""
+    notes = []
+    if att.config_changes:
+        shown = "; ".join(
+            f"{key}: {json.dumps(old)} -> {json.dumps(new)}"
+            for key, (old, new) in att.config_changes.items()
+        )
+        notes.append(
+            f"attempt {att.number} resumed from step {att.resumed_from_step} with a changed "
+            f"config ({att.config_digest}): {shown}"
+        )
+    if att.optimizer_restored is False:
+        notes.append(
+            f"attempt {att.number}: step_{att.resumed_from_step} held no optimizer state, "
+            "AdamW started fresh"
+        )
+    return notes
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -150,65 +185,42 @@ def _last_validation(reader, until_step: int) -> dict | None:
     last = None
     for rec in records_in_effect(reader):
         if rec.type == "validation_completed" and rec.data["step"] <= until_step:
-            last = {"step": rec.data["step"], "val_loss": rec.data["loss"]}
+            last = {"step": rec.data["step"], "val_loss": as_float(rec.data["loss"])}
     return last
 
 
-def _check_checkpoints(reader, root: Path) -> list[str]:
-    """Every checkpoint the log still counts must exist and hold the save state replay gives."""
-    from sft_runtime.runtime.checkpoint.store import CheckpointDir
-    from sft_runtime.states import replay
-
-    if not root.is_dir():
-        print(f"no checkpoint directory at {root}: agreement with checkpoints not checked")
-        return []
-    ckpt = CheckpointDir(root)
-    on_disk = set(ckpt.steps())
-    in_effect = sorted(
-        {r.data["step"] for r in records_in_effect(reader) if r.type == "checkpoint_saved"}
-    )
-    problems, agreed = [], []
-    for step in in_effect:
-        if step not in on_disk:
-            continue  # pruned by retention (only the newest is always kept)
-        try:
-            saved = ckpt.info(step).get("save_state", {})
-        except UserInputError as exc:
-            problems.append(str(exc))
-            continue
-        folded = replay(reader, until_step=step).to_dict()
-        if saved != folded:
-            problems.append(
-                f"{ckpt.path(step)}: save state {saved} but the log replays to {folded}"
-            )
-        else:
-            agreed.append(step)
-    if in_effect and in_effect[-1] not in on_disk:
-        problems.append(f"the newest checkpoint the log records, step {in_effect[-1]}, is missing")
-    print(f"checkpoints agree: {agreed}")
-    return problems
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
+    from sft_runtime.events.snapshot import LogSnapshot
     from sft_runtime.states import replay
 
-    reader = _reader(args.run_dir, validate=True)
+    # every pass reads the same lines, however much a live run appends meanwhile
+    reader = LogSnapshot(_reader(args.run_dir).path, validate=True)
     state = replay(reader)  # chain, payload schemas, lineage and the fold, line by line
     print(f"{reader.path}: chain intact, {reader.state.lines} records, lineage consistent")
     print(f"save state: {json.dumps(state.to_dict(), sort_keys=True)}")
     if reader.torn_bytes:
         print(f"warning: torn last line of {reader.torn_bytes} bytes (cut off on the next resume)")
-    problems = _check_checkpoints(reader, args.checkpoint_dir or args.run_dir / "checkpoints")
+    problems: list[str] = []
+    if args.log_only:
+        print("checkpoints: not checked (--log-only)")
+    else:
+        from sft_runtime.runtime.debug.verify_checkpoints import check_checkpoints
+
+        report = check_checkpoints(args.run_dir, reader, checkpoint_dir=args.checkpoint_dir)
+        for line in report.lines():
+            print(line)
+        problems = report.problems
     for problem in problems:
         print(f"CHECKPOINT: {problem}", file=sys.stderr)
+    for att in history(reader).attempts:  # steps of other configs are not compared
+        for line in config_notes(att):
+            print(line)
     compared, found = compare_reexecutions(reader)
-    if problems:
-        return 1
     if found:
         print(
             f"DIVERGED: {compared} re-executed steps compared, {len(found)} differ", file=sys.stderr
         )
         print(f"first divergence: {found[0].describe()}", file=sys.stderr)
-        return 1
-    print(f"re-executed steps compared: {compared}, divergent: 0")
-    return 0
+    else:
+        print(f"re-executed steps compared: {compared}, divergent: 0")
+    return 1 if problems or found else 0

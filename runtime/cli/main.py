@@ -11,7 +11,8 @@ import sys
 from collections.abc import Sequence
 
 from sft_runtime.events.errors import EventLogError
-from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.errors import RunFailure, UserInputError
+from sft_runtime.runtime.process.disk_full import disk_full_error
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 _DATA_COMMANDS = ("prepare-data", "demo-data")
@@ -39,6 +40,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
     samples_cli.register(sub)
     reproduce_cli.register(sub)
+    from sft_runtime.runtime.cli import fetch_model as fetch_model_cli
+
+    fetch_model_cli.register(sub)
     if any(arg in _DATA_COMMANDS for arg in argv):
         from sft_runtime.runtime.cli import (
             prepare as prepare_cli,  # pulls in energon and torch: only when asked
@@ -68,9 +72,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserInputError, EventLogError) as exc:
         print(f"sft-runtime {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RunFailure as exc:  # a diverged step, a full disk: its one line explains it
+        print(f"sft-runtime {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"sft-runtime {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a full disk under another error (a driver-side write, Ray's)
+        full = disk_full_error(exc)
+        if full is None:
+            raise
+        print(f"sft-runtime {args.command}: error: {full}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any
 
 from sft_runtime.events import Record
 from sft_runtime.events.lineage import resume_limits
+from sft_runtime.events.schemas import as_float
 from sft_runtime.runtime.errors import UserInputError
 
 PLOT_INSTALL = "pip install 'sft-runtime[plot]'"
@@ -66,8 +67,8 @@ def collect(records: Iterable[Record]) -> list[AttemptSeries]:
         elif rec.type == "step_committed":
             step = data["step"]
             att.steps.append(step)
-            att.loss.append(float(data["loss"]))
-            att.lr.append(float(data["lr"]))
+            att.loss.append(as_float(data["loss"]))
+            att.lr.append(as_float(data["lr"]))
             att.tokens_per_s.append(_tokens_per_second(data))
             if committed_by.setdefault(step, rec.attempt) != rec.attempt:
                 att.reexecuted.append(step)
@@ -75,7 +76,7 @@ def collect(records: Iterable[Record]) -> list[AttemptSeries]:
                 att.rolled_back.append(step)
         elif rec.type == "validation_completed":
             att.val_steps.append(data["step"])
-            att.val_loss.append(float(data["loss"]))
+            att.val_loss.append(as_float(data["loss"]))
         elif rec.type == "step_aborted":
             att.aborts.append(data["step"])
         elif rec.type == "checkpoint_saved":

@@ -5,7 +5,9 @@ current code in a scratch directory (`runtime.debug.reproduce`; RUN_DIR is only 
 each step's samples, loss, grad norm and learning rate are compared with the log. Exit 0
 when every step is identical, 1 at the first divergence (the table and the first divergent
 step say what differs), 2 for bad input (no checkpoint before N, N beyond the log, a
-damaged log, a config that no longer validates), 130 when interrupted.
+damaged log, a config that no longer validates), 130 when interrupted (Ctrl-C or SIGTERM;
+the scratch directory's copy of the checkpoint is removed either way, unless ``--scratch``
+named it).
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the run's config")
     p.add_argument("--step", type=int, required=True, help="the first step of interest")
     p.add_argument("--to", type=int, default=None, help="re-run through this step (default N)")
-    p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN_DIR/checkpoints")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="look for the checkpoints here (default: where the log records them)",
+    )
     p.add_argument(
         "--scratch", type=Path, default=None, help="an empty directory to re-run in, kept after"
     )
@@ -35,9 +42,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from sft_runtime.runtime.debug.reproduce import reproduce
     from sft_runtime.runtime.debug.start import find_start
     from sft_runtime.runtime.launch.driver import RunInterrupted
+    from sft_runtime.runtime.process.terminate import sigterm_interrupts
 
     start = find_start(args.run_dir, args.step, until=args.to, checkpoint_dir=args.checkpoint_dir)
-    with tempfile.TemporaryDirectory(prefix="sft-reproduce-") as tmp:
+    # the scratch copy of the checkpoint is removed however the command ends: SIGTERM too
+    with sigterm_interrupts(), tempfile.TemporaryDirectory(prefix="sft-reproduce-") as tmp:
         scratch = args.scratch or Path(tmp) / "run"
         print(
             f"re-executing steps {start.checkpoint + 1}..{start.until} of {start.run_dir} from "

@@ -23,7 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--step", type=int, required=True, help="the step to show")
     p.add_argument("--rank", type=int, default=None, help="one logical rank only")
-    p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: RUN_DIR/checkpoints")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="look for the checkpoints here (default: where the log records them)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON: one object per rank")
     p.set_defaults(func=cmd_samples)
 

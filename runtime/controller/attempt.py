@@ -30,6 +30,7 @@ from sft_runtime.runtime.config import MasterConfig, step_rules
 from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.process.faults import fault_point
+from sft_runtime.runtime.resume.config_change import config_record
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, fold
 from sft_runtime.traces.context import inject_carrier, span_ids
 
@@ -46,6 +47,9 @@ def open_attempt(
     state = args.save_state
     model = ControllerModel(step_rules(config, now=time.time()), log=log, save_state=state)
     metrics = MetricsLogger.for_run(config.logger, run_dir, first_step=state.total_steps + 1)
+    # the driver compared the config with the checkpoint's (`setup_sft_v2`); args made by
+    # hand carry no record, and the attempt records its config's digest alone
+    record = cluster.get("config_record") or config_record(config)
     model.start(
         event=fold.run_started_event(
             state,
@@ -54,6 +58,9 @@ def open_attempt(
             node_ids=cluster.get("node_ids", []),
             host=socket.gethostname(),
             pid=os.getpid(),
+            config_digest=record.digest,
+            config_changes=record.changes,
+            optimizer_restored=record.optimizer_restored,
         )
     )
     return log, model, metrics

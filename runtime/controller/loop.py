@@ -8,6 +8,7 @@ it. `controller.actor.SFTSingleControllerActor` is this class made remote.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import replace
@@ -34,6 +35,7 @@ from sft_runtime.runtime.controller.saving import SavePhase
 from sft_runtime.runtime.controller.step_calls import StepCalls
 from sft_runtime.runtime.controller.validation import Validator
 from sft_runtime.runtime.data.factory import build_colocated_loader
+from sft_runtime.runtime.errors import DiskFullError, DivergedError
 from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.metrics.step_metrics import (
     SFT_V2_TEED_METRICS,
@@ -46,9 +48,11 @@ from sft_runtime.runtime.metrics.step_metrics import (
     step_timings,
 )
 from sft_runtime.runtime.policy.results import StepFinished, StepStarted, StepTrained
+from sft_runtime.runtime.process.disk_full import disk_full_error
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.liveness import check_driver
 from sft_runtime.runtime.process.niceness import controller_niceness, set_niceness
+from sft_runtime.runtime.resume.input_identity import config_identities
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase, fold
 from sft_runtime.traces.context import attached, inject_carrier
 from sft_runtime.traces.metrics import StepInstruments
@@ -94,6 +98,7 @@ class SFTController(SavePhase):
             run_checkpoints(master_config),
             run_config=master_config.model_dump(mode="json"),
             num_threads=master_config.cluster.num_threads_per_worker,
+            identities=config_identities(master_config),
         )
         self.ckpt = self.checkpointer.store
         self.max_steps = _max_train_steps(master_config)
@@ -131,8 +136,23 @@ class SFTController(SavePhase):
         try:
             with attached(_otel_carrier):
                 return self.run()
+        except Exception as exc:
+            full = self._as_disk_full(exc)
+            if full is None:
+                raise
+            raise full from exc
         finally:
             telemetry.force_flush(deadline=self._flush_by)
+
+    def _as_disk_full(self, exc: Exception) -> DiskFullError | None:
+        """``exc`` as a `DiskFullError` (one line; the step a resume starts from) when a
+        write in its chain was refused for space, else None: told here, where the chain is
+        whole (Ray drops ``__cause__`` on the way to the driver)."""
+        full = disk_full_error(exc, where=self.run_dir)
+        if full is None:
+            return None
+        saved = self.ckpt.steps()
+        return DiskFullError(full.errno, full.what, saved[-1] if saved else 0)
 
     def run(self) -> dict[str, Any]:
         with traced(JOB_SPAN) as job:
@@ -160,8 +180,7 @@ class SFTController(SavePhase):
                         self._save_checkpoint()
                 reason = end_reason(self.model, stopping=self._stop.is_set())
             except BaseException as exc:
-                interrupted = isinstance(exc, KeyboardInterrupt)
-                reason, error = ("interrupted" if interrupted else "failed"), exc
+                reason, error = _failure_reason(exc), exc
                 record_error(job, exc)
                 raise
             finally:
@@ -245,6 +264,7 @@ class SFTController(SavePhase):
                 envelopes, results, trained_s=t_done, total_time=trace.seconds_since_start()
             )
             in_flight.enter(StepPhase.metrics)  # the config checked the checkpoint metric
+            self._check_finite(step, metrics)
             in_flight.enter(StepPhase.commit)
             self._check_driver()  # a killed run commits no step after its driver died
             self.calls.recorded()  # the loader commit goes with the next start
@@ -273,6 +293,18 @@ class SFTController(SavePhase):
         if trace.recording:
             consumed = self.model.save_state.consumed_samples
             self._step_attributes = step_attributes(metrics, consumed)
+
+    def _check_finite(self, step: int, metrics: dict[str, Any]) -> None:
+        """A non-finite loss or norm: the workers did not apply the update (`Replica.finish`).
+        The step is then aborted and the run stops, or, with ``sft.skip_nonfinite_steps``, it
+        is committed as it was and counted."""
+        loss, norm = metrics["loss"], metrics["grad_norm"]
+        if math.isfinite(loss) and math.isfinite(norm):
+            return
+        if not self.config.sft.skip_nonfinite_steps:
+            saved = self.ckpt.steps()
+            raise DivergedError(step, loss, norm, saved[-1] if saved else None)
+        metrics["nonfinite_skipped"] = 1
 
     def _run_train_step(self, step: int) -> tuple[list, list[StepFinished]]:
         """Send the step (unless sent ahead), and the next step when it is certain to follow
@@ -359,6 +391,7 @@ class SFTController(SavePhase):
             checkpoints=self.ckpt.steps(),
             run_dir=self.run_dir,
             sample_counts=self.tally.sample_counts,
+            nonfinite_skipped=self.tally.nonfinite_skipped,
         ) | {"telemetry_flush_by": self._flush_by}
 
     def _fault_after(self, phase: StepPhase, step: int) -> None:
@@ -370,3 +403,10 @@ class SFTController(SavePhase):
     @property
     def _attempt(self) -> int | None:
         return None if self.log is None else self.log.attempt
+
+
+def _failure_reason(exc: BaseException) -> str:
+    """The ``run_stopped`` reason of an attempt that raised ``exc``."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return "diverged" if isinstance(exc, DivergedError) else "failed"

@@ -87,6 +87,30 @@ class SFTBatch:
             refused_samples=self.refused_samples,
         )
 
+    def trimmed(self, multiple: int = 1) -> SFTBatch:
+        """The same rows without the columns that are padding in every one of them (rounded
+        up to a multiple of `multiple`; the rows' ends are read off ``cu_seqlens``, no device
+        sync). A rank's rows are padded once to its longest sample, so a micro-batch of
+        short rows would otherwise run its forward and backward over columns that hold no
+        token; they carry no loss, so cutting them changes what is learned by nothing but
+        rounding, the same way every time."""
+        width = int(self.input_ids.shape[1])
+        longest = max((bounds[-1] for bounds in self.cu_seqlens), default=0)
+        keep = min(width, -(-max(longest, 1) // multiple) * multiple)
+        if keep == width:
+            return self
+        return SFTBatch(
+            input_ids=self.input_ids[:, :keep],
+            loss_mask=self.loss_mask[:, :keep],
+            position_ids=self.position_ids[:, :keep],
+            segment_ids=self.segment_ids[:, :keep],
+            cu_seqlens=self.cu_seqlens,
+            source_ids=self.source_ids,
+            sequence_lengths=self.sequence_lengths,
+            overlong_ids=self.overlong_ids,
+            refused_samples=self.refused_samples,
+        )
+
 
 def _reduce_between_processes(batch: SFTBatch) -> tuple[Any, tuple]:
     """How an energon worker process hands a batch to the loader that trains on it: the

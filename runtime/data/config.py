@@ -34,7 +34,7 @@ OverlongPolicy = Literal["mask", "truncate", "drop"]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class EnergonConfig(_Section):

@@ -52,9 +52,15 @@ def _dataset_uuid(path: Path) -> str | None:
         return None
 
 
+# Recorded, not compared: the data set's identity (its ``dataset_uuid`` here, its content
+# before Ray in runtime/resume/config_change.py), not its path, decides, so a data set
+# moved or copied elsewhere resumes.
+UNCOMPARED = frozenset({"data_path"})
+
+
 def check_fingerprint(saved: dict, current: dict) -> None:
     """Raise `LoaderStateMismatchError` listing every setting that differs (old -> new)."""
-    keys = sorted(set(saved) | set(current))
+    keys = sorted((set(saved) | set(current)) - UNCOMPARED)
     changes = [
         f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
         for key in keys

@@ -10,7 +10,11 @@ the code, or an override the user passes. The original run directory is only rea
 
 Settings that cannot change what a step computes are pinned so the re-run is self-contained:
 its log and checkpoints go to the scratch directory, it stops after step M, no deadline
-stops it early, and telemetry is off unless an override turns it on again.
+stops it early, and telemetry is off unless an override turns it on again. Where the job
+runs is the user's to say, never the checkpoint's (a run directory may come from anyone):
+of the ``cluster`` section only the keys that decide the numbers are taken from the file;
+the Ray address, placement, niceness and timeouts come from the user's overrides, or the
+defaults and ``RAY_ADDRESS``, as for any run they start.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from sft_runtime.runtime.errors import UserInputError
 
 CONFIG_NAME = "config.yaml"
 QUIET = ("telemetry=null",)  # before the user's overrides, which may turn it on again
+#: The ``cluster`` keys a re-run takes from the checkpoint: the data-parallel size, CPU or
+#: GPU, and the threads per worker decide what a step computes. The others place the job.
+CLUSTER_COMPUTE_KEYS = ("num_nodes", "workers_per_node", "gpus_per_node", "num_threads_per_worker")
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,9 @@ def check_scratch(run_dir: Path, scratch: Path) -> None:
 
 
 def reproduce_config(start: StartPoint, scratch: Path, overrides: Sequence[str] = ()) -> Any:
-    """The run's config from checkpoint K, with the user's overrides, validated by the
-    current code (bad input raises `UserInputError`), and pointed at ``scratch``."""
+    """The run's config from checkpoint K (the computation; where to run is the user's, see
+    the module docstring), with the user's overrides, validated by the current code (bad
+    input raises `UserInputError`), and pointed at ``scratch``."""
     from sft_runtime.runtime.config import apply_override, validate_config
 
     path = start.checkpoint_path / CONFIG_NAME
@@ -67,6 +75,9 @@ def reproduce_config(start: StartPoint, scratch: Path, overrides: Sequence[str] 
         raise UserInputError(f"{path}: unreadable ({exc})") from None
     if not isinstance(raw, dict):
         raise UserInputError(f"{path}: the config must be a mapping of sections")
+    cluster = raw.get("cluster")
+    if isinstance(cluster, dict):  # where to run: the user's, not the file's
+        raw["cluster"] = {k: v for k, v in cluster.items() if k in CLUSTER_COMPUTE_KEYS}
     for item in (*QUIET, *overrides):
         apply_override(raw, item)
     # set as values, not parsed overrides: a path must stay a string whatever it looks like
@@ -74,6 +85,9 @@ def reproduce_config(start: StartPoint, scratch: Path, overrides: Sequence[str] 
     checkpointing = raw.setdefault("checkpointing", {})
     checkpointing["checkpoint_dir"] = str(scratch / "checkpoints")
     checkpointing["checkpoint_must_save_by"] = None
+    # an override that changes a step is the question asked here, not a mistake: the
+    # re-execution takes it, and its run_started records it (runtime/resume/config_change.py)
+    checkpointing["allow_config_change"] = True
     raw.setdefault("sft", {})["max_num_steps"] = start.until
     return validate_config(raw, source=f"{path} (checked by the current code)")
 

@@ -1,8 +1,10 @@
 """Where a re-run of step N begins: the newest checkpoint before N that both vouch for.
 
 A checkpoint counts when the log still holds its ``checkpoint_saved`` (not rolled back by a
-later resume) and its directory is on disk, which is the rule a resume follows. Reading only,
-so the run directory is never touched: no lock, no repair of a torn tail, no pruning.
+later resume) and its directory is on disk, which is the rule a resume follows; the
+directory is the one the record names (`checkpoint.recorded`), wherever the run put it.
+Reading only, so the run directory is never touched: no lock, no repair of a torn tail, no
+pruning.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from pathlib import Path
 from sft_runtime.events import read_log, records_in_effect
 from sft_runtime.events.log import LogReader, log_path
 from sft_runtime.events.run_diff import StepFacts, step_facts
+from sft_runtime.runtime.checkpoint.recorded import checkpoint_store, recorded_checkpoints
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.launch.run_dirs import require_run_dir
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,7 @@ class StartPoint:
 
 def open_run_log(run_dir: Path) -> LogReader:
     """The run's log, read with every payload checked (a damaged line names itself)."""
-    path = log_path(run_dir)
-    if not Path(run_dir).is_dir():
-        raise UserInputError(f"{run_dir}: no such run directory")
+    path = log_path(require_run_dir(run_dir))
     if not path.is_file():
         raise UserInputError(f"{path}: no event log (is this a run directory?)")
     return read_log(path, validate=True)
@@ -82,13 +84,16 @@ def find_start(
         if asked > last:
             held = f"commits steps 1..{last}" if last else "commits no step"
             raise UserInputError(f"step {asked} is beyond the log: {reader.path} {held}")
-    checkpoints = CheckpointDir(checkpoint_dir or run_dir / "checkpoints")
-    on_disk = set(checkpoints.steps())
-    usable = sorted(k for k in saved_at if k in on_disk and k < step)
+    # wherever the run saved them (checkpointing.checkpoint_dir), or under --checkpoint-dir
+    recorded = recorded_checkpoints(reader, run_dir, checkpoint_dir=checkpoint_dir)
+    usable = [c for c in recorded if c.exists and c.step < step]
     if not usable:
+        on_disk = [c.step for c in recorded if c.exists]
+        where = checkpoint_store(run_dir, reader, checkpoint_dir=checkpoint_dir).root
         raise UserInputError(
             f"no checkpoint before step {step}: the log records checkpoints "
-            f"{sorted(saved_at)} and {checkpoints.root} holds {sorted(on_disk)}"
+            f"{sorted(saved_at)} and {where} holds {on_disk}"
         )
     k = usable[-1]
-    return StartPoint(run_dir, step, until, k, checkpoints, saved_at[k], facts)
+    checkpoints = CheckpointDir(k.folder.parent)
+    return StartPoint(run_dir, step, until, k.step, checkpoints, saved_at[k.step], facts)

@@ -30,6 +30,8 @@ import torch
 import yaml
 
 from sft_runtime.events.log import fsync_dir
+from sft_runtime.runtime.checkpoint.layout import check_layout
+from sft_runtime.runtime.checkpoint.recorded import checkpoint_store
 from sft_runtime.runtime.checkpoint.store import CheckpointDir, fsync_tree
 from sft_runtime.runtime.checkpoint.weight_reader import WeightReader
 from sft_runtime.runtime.errors import UserInputError
@@ -39,6 +41,7 @@ from sft_runtime.runtime.export.shards import (
     cast,
     copy_tokenizer,
     plan_shards,
+    tokenizer_files,
     write_config,
     write_shards,
 )
@@ -80,15 +83,17 @@ def export_checkpoint(
     safetensors files of at most ``max_shard_size`` (``5GB``, ``500MB``, or bytes). A LoRA
     checkpoint becomes peft's adapter folder, or with ``merge`` its base with the adapters
     merged in (`runtime.export.lora_export`)."""
-    store = CheckpointDir(checkpoint_dir or Path(run_dir) / "checkpoints")
+    store = checkpoint_store(run_dir, checkpoint_dir=checkpoint_dir)  # where the log says
     where = _checkpoint(store, step)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserInputError(f"{out}: exists and is not an empty folder; choose a new OUT")
     store.info(int(where.name.removeprefix("step_")))  # refuses a missing/damaged info file
     _require_hf_run(where)
+    check_layout(where, parts=("weights",))  # as its config.yaml says; metadata read safely
     weights = where / "policy" / "weights"
     tokenizer = where / "policy" / "tokenizer"
+    tokenizer_files(tokenizer)  # a link among them is refused before anything is written
     limit = parse_size(max_shard_size)
     record = read_base_record(weights)
     if record is not None:  # adapters: peft's folder, or merged into their base

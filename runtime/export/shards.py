@@ -4,6 +4,7 @@ index that names them, a config saying the stored dtype, the tokenizer."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 
 from sft_runtime.runtime.checkpoint.policy_files import WEIGHTS_FILE, WEIGHTS_INDEX, shard_names
 from sft_runtime.runtime.checkpoint.weight_reader import WeightReader
+from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.process.faults import fault_point
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,8 +80,41 @@ def write_config(source: Path, dest: Path, dtype: str | None) -> None:
     dest.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def tokenizer_files(tokenizer: Path) -> list[Path]:
+    """The checkpoint's tokenizer files, sub-folders' included, relative to ``tokenizer``.
+
+    A link anywhere (the folder itself included) is refused: it may name any file of this
+    machine, which the export would copy into a folder meant to be shipped; so is anything
+    that is not a plain file or folder."""
+    if tokenizer.is_symlink():
+        raise UserInputError(f"{tokenizer}: is a link; export copies only the checkpoint's files")
+    if not tokenizer.is_dir():
+        return []
+    files: list[Path] = []
+    for root, dirs, names in os.walk(tokenizer):  # links to folders are listed, not entered
+        for name in sorted(dirs) + sorted(names):
+            path = Path(root) / name
+            if path.is_symlink():
+                raise UserInputError(
+                    f"{path}: is a link; export copies only the checkpoint's own files (put "
+                    "the file itself there, or remove the link)"
+                )
+            if path.is_file():
+                files.append(path.relative_to(tokenizer))
+            elif not path.is_dir():
+                raise UserInputError(f"{path}: not a regular file; export copies only files")
+    return sorted(files)
+
+
 def copy_tokenizer(tokenizer: Path, folder: Path) -> None:
-    """The checkpoint's tokenizer files beside the weights (as on the hub)."""
-    if tokenizer.is_dir():
-        for file in sorted(tokenizer.iterdir()):
-            shutil.copyfile(file, folder / file.name)
+    """The checkpoint's tokenizer files beside the weights (as on the hub), sub-folders
+    kept; a file the export already wrote (config.json, a weights shard) is never replaced."""
+    for relative in tokenizer_files(tokenizer):
+        dest = folder / relative
+        if dest.exists():
+            raise UserInputError(
+                f"{tokenizer / relative}: would replace the export's own {relative}; a "
+                "tokenizer folder holds tokenizer files only"
+            )
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tokenizer / relative, dest, follow_symlinks=False)

@@ -21,7 +21,8 @@ import ray
 from sft_runtime.events.log import next_attempt
 from sft_runtime.runtime.config import MasterConfig
 from sft_runtime.runtime.controller.actor import SFTSingleControllerActor
-from sft_runtime.runtime.errors import UserInputError, quietly
+from sft_runtime.runtime.errors import RunFailure, UserInputError, quietly
+from sft_runtime.runtime.launch.run_lock import holding_run
 from sft_runtime.runtime.launch.setup import setup_sft_v2
 from sft_runtime.runtime.policy.actor_exit import kill_and_wait
 from sft_runtime.runtime.process.faults import actor_fault_options, fault_point
@@ -97,18 +98,24 @@ def run_training(
     step fails.
     """
     run_dir = Path(config.logger.log_dir or ".")
-    attempt = next_attempt(run_dir)  # the controller opens the log later; label it now
-    telemetry = setup_telemetry(config.telemetry, role="driver", run_dir=run_dir, attempt=attempt)
-    summary: dict[str, Any] | None = None
-    try:
-        with traced(DRIVER_SPAN):
-            summary = _drive(config, tokenizer, on_step, on_stop_request)
-            return summary
-    except RunInterrupted as exc:
-        summary = exc.summary
-        raise
-    finally:
-        _export_traces(telemetry, config, run_dir, summary)
+    with holding_run(run_dir):  # before the resume point is read: a second launch is refused
+        attempt = next_attempt(run_dir)  # the controller opens the log later; label it now
+        telemetry = setup_telemetry(
+            config.telemetry, role="driver", run_dir=run_dir, attempt=attempt
+        )
+        summary: dict[str, Any] | None = None
+        try:
+            with traced(DRIVER_SPAN):
+                summary = _drive(config, tokenizer, on_step, on_stop_request)
+                return summary
+        except RunInterrupted as exc:
+            summary = exc.summary
+            raise
+        finally:
+            if next_attempt(run_dir) == attempt:  # refused: the log never had this attempt
+                quietly("discard the refused launch's traces", telemetry.discard_files)
+            else:
+                _export_traces(telemetry, config, run_dir, summary)
 
 
 def _export_traces(telemetry: Any, config: MasterConfig, run_dir: Path, summary) -> None:
@@ -145,7 +152,7 @@ def _result(ref: Any) -> dict[str, Any]:
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, UserInputError):
+        if isinstance(exc.cause, (UserInputError, RunFailure)):
             raise exc.cause from None
         raise
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,13 @@ from sft_runtime.runtime.data.integrity import check_sample_type
 from sft_runtime.runtime.data.placement import DataLoaderPlacementPlan, build_placement_plan
 from sft_runtime.runtime.data.tokenizer import build_tokenizer
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.launch.ray_session import remove_session_at_exit
+from sft_runtime.runtime.launch.run_lock import check_not_held
+from sft_runtime.runtime.metrics.superseded import drop_superseded_rows
 from sft_runtime.runtime.policy.config import ClusterConfig
 from sft_runtime.runtime.process.liveness import driver_alive, driver_identity
 from sft_runtime.runtime.process.niceness import embedded_ray_env
+from sft_runtime.runtime.resume.config_change import resume_config, resume_notes
 from sft_runtime.states import SFTV2SaveState, initial_save_state
 from sft_runtime.traces.spans import SETUP_SPANS, traced
 
@@ -103,6 +108,7 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         include_dashboard=False,
         logging_level="WARNING",
     )
+    remove_session_at_exit()  # ours alone: a joined cluster's folder is never touched
     return True
 
 
@@ -184,6 +190,7 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
                 check_lora(hf, config.policy.lora)
         tokenizer = tokenizer_or_processor or build_tokenizer(config.policy.tokenizer)
         check_model_covers(config, tokenizer.vocab_size)
+        check_not_held(run_dir)  # another launch's driver holds it (see run_lock)
         probe_run_lock(run_dir)
     with traced(SETUP_SPANS["resume"]) as span:  # log replay and checkpoint checks
         resume = find_resume_point(run_dir, CheckpointDir(checkpoint_root(config)))
@@ -195,6 +202,9 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
 
                 lora, hf_path = config.policy.lora.enabled, config.policy.model.hf_path
                 check_base(resume.policy_dir / "weights", lora, hf_path)
+        record = resume_config(config, run_dir, resume)  # refuses a change that may not be
+        for note in resume_notes(record, resume.step):
+            print(note, file=sys.stderr)
     with traced(SETUP_SPANS["ray"]):
         ensure_ray(config.cluster)
     restore = None
@@ -205,6 +215,8 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
             "weights_path": str(policy / "weights"),
             "optimizer_path": str(optimizer) if optimizer.is_dir() else None,
             "rng_path": str(policy / "rng"),
+            # a thread count the user allowed to change (the RNG itself does not depend on it)
+            "allow_thread_change": "cluster.num_threads_per_worker" in record.changes,
         }
     # placement group, worker actors, their process group and, on resume, the checkpoint load
     with traced(SETUP_SPANS["workers"], attributes={"sft.restore": restore is not None}):
@@ -236,6 +248,8 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
                 )
         else:
             state = _initial_save_state(plan.placement_hash)
+        # the rows of the steps this attempt executes again go (the log keeps their values)
+        drop_superseded_rows(run_dir, state.total_steps)
         return SFTV2ActorArgs(
             trainer=group,
             loss_fn=NLLLossFn(),
@@ -243,6 +257,8 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
                 "world_size": group.world_size,
                 "node_ids": group.node_ids(),
                 **driver_identity(),
+                # what run_started records about the config (`ConfigRecord`)
+                "config_record": record,
             },
             placement_plan=plan,
             save_state=state,

@@ -164,6 +164,7 @@ def run_summary(
     checkpoints: list[int],
     run_dir: Any,
     sample_counts: dict[str, int] | None = None,
+    nonfinite_skipped: int = 0,
 ) -> dict[str, Any]:
     """What `SFTController.run` returns: how the attempt ended and where the run stands."""
     return {
@@ -180,6 +181,7 @@ def run_summary(
         "checkpoints": checkpoints,
         "run_dir": str(run_dir),
         **{key: (sample_counts or {}).get(key, 0) for key in SAMPLE_COUNT_KEYS},  # this attempt
+        "nonfinite_skipped": nonfinite_skipped,  # steps committed without their update
     }
 
 
@@ -193,10 +195,12 @@ class RunTally:
     sample_counts: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(SAMPLE_COUNT_KEYS, 0)
     )
+    nonfinite_skipped: int = 0
 
     def add(self, metrics: dict[str, Any]) -> None:
         """A committed step's metrics (`step_metrics`)."""
         self.last = metrics
         self.losses.append(metrics["loss"])
+        self.nonfinite_skipped += metrics.get("nonfinite_skipped", 0)
         for key in SAMPLE_COUNT_KEYS:
             self.sample_counts[key] += metrics[key]

@@ -213,9 +213,19 @@ class WorkerCalls:
         )
 
     def load_checkpoint(
-        self, weights_path: str, optimizer_path: str | None = None, rng_path: str | None = None
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        rng_path: str | None = None,
+        allow_thread_change: bool = False,
     ) -> list[CheckpointLoaded]:
-        return self._run("load_checkpoint", weights_path, optimizer_path, rng_path=rng_path)
+        return self._run(
+            "load_checkpoint",
+            weights_path,
+            optimizer_path,
+            rng_path=rng_path,
+            allow_thread_change=allow_thread_change,
+        )
 
     def get_weights(self, *, ranks: Ranks = "all", include_frozen: bool = False) -> list[dict]:
         return self._run("get_weights", ranks=ranks, include_frozen=include_frozen)

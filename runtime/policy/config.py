@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.lora.config import LoraConfig
 
-_Strict = ConfigDict(extra="forbid")
+_Strict = ConfigDict(extra="forbid", allow_inf_nan=False)  # `lr: .inf` is bad input
 
 
 class ModelConfig(BaseModel):

@@ -21,6 +21,7 @@ ready flags, and checkpoints are every rank's shards (`save_shards`, `load_shard
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -171,11 +172,13 @@ class Replica(ReplicaState):
         batch = step.batch if batch is None else batch
         self.model.train()
         size = self.policy.train_micro_batch_size
+        multiple = self.policy.make_sequence_length_divisible_by
         t_all = time.perf_counter()
         batch = batch.to(self.device)  # once, not per micro-batch (no copy on the CPU)
         loss_error: Exception | None = None
         for start in range(0, batch.num_rows, size):
-            mb = batch.rows(start, min(start + size, batch.num_rows))
+            # no forward over columns that are padding in every row of this micro-batch
+            mb = batch.rows(start, min(start + size, batch.num_rows)).trimmed(multiple)
             t0 = time.perf_counter()
             with self.autocast():
                 logits = forward_logits(self.model, mb)
@@ -249,18 +252,23 @@ class Replica(ReplicaState):
             p.grad = flat[offset : offset + n].view_as(p)  # views into the reduced buffer
             offset += n
         t1 = time.perf_counter()
+        loss = global_nll / max(step.global_valid_tokens, 1)
         with TRACER.start_as_current_span(OPTIMIZER_SPAN):
             grad_norm = self._clip()
             lr = lr_at(self.steps_done, self.policy.optimizer.lr, self.policy.scheduler)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            # The loss and the norm are the same numbers on every rank (both come from the
+            # reduced buffer), so every rank skips a non-finite update together: a diverged
+            # step never reaches the weights or the optimizer's moments.
+            if math.isfinite(loss) and math.isfinite(grad_norm):
+                self.optimizer.step()
             self.model.zero_grad(set_to_none=True)
         self.steps_done += 1
         self._open = None
         t2 = time.perf_counter()
         return StepFinished(
-            loss=global_nll / max(step.global_valid_tokens, 1),
+            loss=loss,
             grad_norm=grad_norm,
             lr=lr,
             valid_tokens=step.global_valid_tokens,

@@ -83,6 +83,15 @@ class ReplicaState:
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         self.load_trainer_state(state)
         self.optimizer.load_state_dict(state["optimizer"])
+        self.use_config_hyperparameters()
+
+    def use_config_hyperparameters(self) -> None:
+        """The config's AdamW settings over those a loaded state carries: a resume the user
+        allowed to change them (runtime/resume/config_change.py) trains with the new
+        values, as it does with a new lr (set every step); unchanged ones are the same."""
+        opt = self.policy.optimizer
+        for group in self.optimizer.param_groups:
+            group.update(betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         if state.get("format") != TRAINER_STATE_FORMAT:
@@ -99,6 +108,8 @@ class ReplicaState:
     def load_shards(self, weights_path: str, optimizer_path: str | None) -> None:
         optimizer = self.optimizer if optimizer_path else None
         fsdp.load_shards(self.model, optimizer, weights_path, optimizer_path, self.lora)
+        if optimizer is not None:
+            self.use_config_hyperparameters()
 
     @property
     def lora(self) -> bool:

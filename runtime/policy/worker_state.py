@@ -194,9 +194,11 @@ class WorkerState:
         optimizer_path: str | None = None,
         *,
         rng_path: str | None = None,
+        allow_thread_change: bool = False,
         _otel_carrier: dict | None = None,
     ) -> CheckpointLoaded:
-        """Restore weights, optionally optimizer + schedule, and this rank's RNG state."""
+        """Restore weights, optionally optimizer + schedule, and this rank's RNG state
+        (``allow_thread_change``: the user allowed another thread count than the saved one)."""
         if self.replica.step_open:
             raise RuntimeError(f"rank {self.rank}: cannot load while a train step is open")
         self.writes.wait_copied()  # a checkpoint being written still reads the old values
@@ -204,7 +206,9 @@ class WorkerState:
         rng_file = os.path.join(rng_dir, ckpt.rng_file(self.rank))
         rng_state = ckpt.load_torch(rng_file, "RNG state") if os.path.isdir(rng_dir) else None
         if rng_state is not None:
-            ckpt.restore_rng(rng_state, self.num_threads, rng_file)
+            ckpt.restore_rng(
+                rng_state, self.num_threads, rng_file, allow_change=allow_thread_change
+            )
         if self.replica.sharded:
             self.replica.load_shards(weights_path, optimizer_path)
             if optimizer_path is not None:

@@ -89,3 +89,17 @@ def write_run(run_dir: Path, attempts: list[Attempt], *, fsync: bool = False) ->
         with open_log(run_dir, fsync=fsync) as log:
             run_attempt(log, att, totals_at(att.resume or 0))
     return run_dir / "events.jsonl"
+
+
+def write_checkpoint(run_dir: Path, step: int) -> Path:
+    """``RUN_DIR/checkpoints/step_<step>`` as far as `verify` reads it: a training_info.json
+    holding the save state the run's log replays to at that step."""
+    import json
+
+    from sft_runtime.states import replay
+
+    folder = run_dir / "checkpoints" / f"step_{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {"step": step, "save_state": replay(run_dir, until_step=step).to_dict()}
+    (folder / "training_info.json").write_text(json.dumps(info))
+    return folder

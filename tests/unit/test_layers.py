@@ -18,6 +18,7 @@ RUNTIME = ROOT / "runtime"
 ORDER = [
     "errors",  # UserInputError and friends
     "process",  # fault points, niceness, the driver's liveness
+    "models",  # a pretrained model brought offline (a PyPI wheel's GGUF file), converted
     "data",
     "metrics",
     "validation",
@@ -25,7 +26,9 @@ ORDER = [
     "lora",  # adapters through peft, below the policy that trains them
     "policy",
     "export",
+    "yaml_keys",  # a config file's duplicate keys, found before its values are read
     "config",  # MasterConfig: assembles the sections the folders below define
+    "resume",  # which keys decide a step, and what changed since a checkpoint
     "controller",
     "launch",
     "debug",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sft_runtime.runtime.cli.main import main
-from tests.support.logbuild import Attempt, totals_at, write_run
+from tests.support.logbuild import Attempt, totals_at, write_checkpoint, write_run
 
 BIN = Path(sys.executable).parent / "sft-runtime"
 
@@ -22,6 +22,7 @@ def run_dir(tmp_path):
         tmp_path,
         [Attempt(until=6, save_every=3, stop=None, abort_at=5), Attempt(until=8, resume=3)],
     )
+    write_checkpoint(tmp_path, 3)  # the one the log counts (its step 6 was rolled back)
     return tmp_path
 
 

@@ -191,3 +191,15 @@ def test_a_template_alone_under_the_own_model_is_still_refused():
     raw["policy"]["tokenizer"] = {"chat_template": "x"}
     with pytest.raises(UserInputError, match="chat_template is only valid"):
         validate_config(raw)
+
+
+@pytest.mark.parametrize(
+    "key", ["policy.optimizer.lr", "policy.max_grad_norm", "policy.optimizer.weight_decay"]
+)
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_a_non_finite_number_is_refused_naming_its_key(tmp_path, key, value):
+    """YAML spells infinity and NaN `.inf` / `.nan`: a number no step can train with."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(_raw()))
+    with pytest.raises(UserInputError, match=rf"{key}: Input should be a finite number"):
+        load_config(config, [f"{key}={value}"])

@@ -1,0 +1,103 @@
+"""A micro-batch runs over its own rows' width, not the rank's longest sample's.
+
+A rank's rows are collated once, padded to the longest of them; slicing micro-batches out of
+that keeps the padding. The replica cuts the columns that are padding in every row of a
+micro-batch before the forward pass: the loss is the same up to rounding, the gradients too,
+and the same batch gives the same step every time (exact resume needs nothing more).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sft_runtime.runtime.data.task_encoder import EncodedChat, collate_rows
+from sft_runtime.runtime.policy import replica as replica_module
+from sft_runtime.runtime.policy.config import ModelConfig, PolicyConfig
+from sft_runtime.runtime.policy.loss import NLLLossFn
+from sft_runtime.runtime.policy.model import forward_logits
+from sft_runtime.runtime.policy.replica import Replica
+
+VOCAB, LONGEST = 64, 48
+
+
+def _rows(lengths: list[int], seed: int = 0) -> list[EncodedChat]:
+    rng = random.Random(seed)
+    rows = []
+    for index, length in enumerate(lengths):
+        ids = [rng.randrange(1, VOCAB) for _ in range(length)]
+        mask = [0.0] * (length // 2) + [1.0] * (length - length // 2)
+        rows.append(
+            EncodedChat(
+                __key__=f"s{index}",
+                __restore_key__=(),
+                __subflavors__=None,
+                __sources__=(),
+                source_ids=[f"s{index}"],
+                token_ids=[ids],
+                loss_masks=[mask],
+            )
+        )
+    return rows
+
+
+def test_trimmed_drops_only_columns_that_are_padding_in_every_row():
+    batch = collate_rows(_rows([5, 11, 40, 9]), pad_id=0, pad_multiple=8)
+    assert batch.input_ids.shape[1] == 40
+    short = batch.rows(0, 2).trimmed(8)
+    assert short.input_ids.shape[1] == 16  # 11 tokens, rounded up to a multiple of 8
+    assert short.input_ids.shape[1] == short.segment_ids.shape[1] == short.loss_mask.shape[1]
+    assert torch.equal(short.input_ids, batch.input_ids[:2, :16])
+    assert torch.equal(short.loss_mask, batch.loss_mask[:2, :16])
+    assert (batch.segment_ids[:2, 16:] == -1).all()
+    assert batch.rows(0, 2).trimmed(1).input_ids.shape[1] == 11
+    whole = batch.rows(2, 4)
+    assert whole.trimmed(8) is whole  # nothing to cut: the same object
+
+
+def _policy(micro: int) -> PolicyConfig:
+    return PolicyConfig(
+        model=ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=64),
+        train_global_batch_size=4,
+        train_micro_batch_size=micro,
+        make_sequence_length_divisible_by=8,
+    )
+
+
+def test_a_trimmed_step_has_the_untrimmed_loss_and_repeats_bit_for_bit(monkeypatch):
+    batch = collate_rows(_rows([6, 9, LONGEST, 12]), pad_id=0, pad_multiple=8)
+    widths: list[int] = []
+
+    def recording(model, mb):
+        widths.append(int(mb.input_ids.shape[1]))
+        return forward_logits(model, mb)
+
+    monkeypatch.setattr(replica_module, "forward_logits", recording)
+
+    def step() -> tuple[float, dict[str, torch.Tensor]]:
+        replica = Replica(_policy(micro=2), seed=0, device=torch.device("cpu"))
+        replica.begin(None, lambda: batch)
+        replica.train(batch)
+        out = replica.finish()
+        return out.loss, replica.weights()
+
+    loss, weights = step()
+    assert widths == [16, LONGEST]  # rows 0-1 run 16 columns wide, rows 2-3 the full 48
+
+    # the loss of the same weights on the untrimmed rows, micro-batch by micro-batch
+    reference = Replica(_policy(micro=2), seed=0, device=torch.device("cpu"))
+    total = NLLLossFn().valid_tokens(batch)
+    with torch.no_grad():
+        untrimmed = sum(
+            NLLLossFn()(
+                forward_logits(reference.model, batch.rows(i, i + 2)), batch.rows(i, i + 2), total
+            )[0].item()
+            for i in (0, 2)
+        )
+    assert loss == pytest.approx(untrimmed, rel=1e-5)
+
+    again, weights_again = step()
+    assert again == loss
+    assert all(torch.equal(weights[name], weights_again[name]) for name in weights)
