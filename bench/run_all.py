@@ -52,6 +52,7 @@ BENCHMARKS = [
     "lora",
     "hf_start_readers",
     "shutdown",
+    "real_model",
 ]
 MARK = "bench-rows: "
 # Smoke figures mean nothing, so two benchmarks may share the machine: a good part of each

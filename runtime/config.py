@@ -12,11 +12,11 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sft_runtime.runtime.checkpoint.config import CheckpointingConfig
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
+from sft_runtime.runtime.config_files.loader import read_config
 from sft_runtime.runtime.data.config import (
     DataConfig,
     LoaderSpec,
@@ -28,7 +28,6 @@ from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.metrics.metrics_log import LoggerConfig
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout
 from sft_runtime.runtime.validation.config import check_validation
-from sft_runtime.runtime.yaml_keys import check_unique_keys
 from sft_runtime.states import StepRules
 from sft_runtime.traces.config import TelemetryConfig
 
@@ -167,52 +166,10 @@ def _max_train_steps(master_config: MasterConfig) -> int:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> MasterConfig:
-    """Read a YAML file, apply ``a.b.c=value`` overrides, validate. Errors name the key."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-        raw = yaml.safe_load(text)
-    except FileNotFoundError:
-        raise UserInputError(f"{path}: no such config file") from None
-    except IsADirectoryError:
-        raise UserInputError(f"{path}: a directory, not a config file") from None
-    except OSError as exc:
-        raise UserInputError(f"{path}: cannot read the config file ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise UserInputError(f"{path}: not a text file (a YAML config is UTF-8 text)") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise UserInputError(
-            f"{path}{where}: invalid YAML ({getattr(exc, 'problem', exc)})"
-        ) from None
-    check_unique_keys(text, str(path))  # YAML would keep the second silently
-    if not isinstance(raw, dict):
-        raise UserInputError(f"{path}: the config must be a mapping of sections")
-    for item in overrides:
-        apply_override(raw, item)
-    return validate_config(raw, source=str(path))
-
-
-def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Set ``a.b.c=value`` in a nested dict; the value is parsed as YAML (numbers, null...)."""
-    key, sep, text = item.partition("=")
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise UserInputError(f"override {item!r}: expected dotted.key=value")
-    try:
-        value = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
-        value = text
-    node = raw
-    parts = key.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise UserInputError(f"override {item!r}: {part} is not a section")
-        node = child
-    node[parts[-1]] = value
+    """Read a config file as NeMo RL does (its ``defaults:`` chain, ``_override_``,
+    ``${...}`` interpolation, Hydra-style overrides: `config_files`), then validate. Errors
+    name the file, the line or the key."""
+    return validate_config(read_config(path, overrides), source=str(path))
 
 
 def validate_config(raw: dict[str, Any], *, source: str = "config") -> MasterConfig:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from sft_runtime.events.errors import EventLogError
+from sft_runtime.runtime.cli.train import is_override
 from sft_runtime.runtime.errors import RunFailure, UserInputError
 from sft_runtime.runtime.process.disk_full import disk_full_error
 
@@ -61,9 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)  # bad arguments: argparse exits with 2
     if extra:
         # `train CONFIG --run-dir D key=value`: overrides may come after the options too
-        if getattr(args, "overrides", None) is not None and all(
-            "=" in item and not item.startswith("-") for item in extra
-        ):
+        if getattr(args, "overrides", None) is not None and all(map(is_override, extra)):
             args.overrides += extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

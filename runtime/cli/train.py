@@ -20,8 +20,14 @@ OVERLONG_OUTCOME = {
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train from a YAML config (resumes when the run dir has one)")
-    p.add_argument("config", type=Path)
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.add_argument("config", nargs="?", default=None, help="the config file (or --config FILE)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra-style overrides: a.b=value, +a.b=value (add), ++a.b=value (add or set), "
+        "~a.b (remove)",
+    )
+    p.add_argument("--config", dest="config_option", type=Path, default=None, metavar="FILE")
     p.add_argument("--run-dir", type=Path, default=None, help="sets logger.log_dir")
     p.add_argument(
         "--allow-config-change",
@@ -57,18 +63,41 @@ def cmd_train(args: argparse.Namespace) -> int:
     from sft_runtime.runtime.config import load_config
     from sft_runtime.runtime.launch.run_dirs import check_dir_to_create
 
-    overrides = list(args.overrides)
+    path, overrides = _config_and_overrides(args)
     if args.run_dir is not None:
         overrides.append(f"logger.log_dir={args.run_dir}")
     if args.allow_config_change:
         overrides.append("checkpointing.allow_config_change=true")
-    config = load_config(args.config, overrides)
+    config = load_config(path, overrides)
     if config.logger.log_dir is None:
         raise UserInputError("logger.log_dir: required (or pass --run-dir DIR)")
     check_dir_to_create(
         config.logger.log_dir, "logger.log_dir" if args.run_dir is None else "--run-dir"
     )
     return _train(config)
+
+
+def _config_and_overrides(args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """The config file, given as the first argument or as ``--config FILE`` (as NeMo RL's
+    scripts take it), and the overrides after it."""
+    overrides = list(args.overrides)
+    if args.config_option is None:
+        if args.config is None:
+            raise UserInputError("train: a config file is required (CONFIG or --config FILE)")
+        return Path(args.config), overrides
+    if args.config is not None:
+        if not is_override(args.config):
+            raise UserInputError(
+                f"train: two config files ({args.config} and --config {args.config_option}); "
+                "give one"
+            )
+        overrides.insert(0, args.config)
+    return args.config_option, overrides
+
+
+def is_override(item: str) -> bool:
+    """A Hydra-style override (``a.b=v``, ``+a.b=v``, ``++a.b=v``, ``~a.b``), not an option."""
+    return item.startswith("~") or ("=" in item and not item.startswith("-"))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

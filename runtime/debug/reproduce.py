@@ -62,7 +62,8 @@ def reproduce_config(start: StartPoint, scratch: Path, overrides: Sequence[str] 
     """The run's config from checkpoint K (the computation; where to run is the user's, see
     the module docstring), with the user's overrides, validated by the current code (bad
     input raises `UserInputError`), and pointed at ``scratch``."""
-    from sft_runtime.runtime.config import apply_override, validate_config
+    from sft_runtime.runtime.config import validate_config
+    from sft_runtime.runtime.config_files.overrides import apply_override
 
     path = start.checkpoint_path / CONFIG_NAME
     try:

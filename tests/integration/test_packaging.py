@@ -119,7 +119,15 @@ def test_the_wheel_installs_one_namespace_beside_pypi_traces(tmp_path):
     work.mkdir()
     run_dir = work / "demo"
     demo = subprocess.run(
-        [str(venv / "bin" / "sft-runtime"), "demo", "--steps", "3", "--run-dir", str(run_dir)],
+        [
+            str(venv / "bin" / "sft-runtime"),
+            "demo",
+            "--toy",
+            "--steps",
+            "3",
+            "--run-dir",
+            str(run_dir),
+        ],
         cwd=work,
         env=env,
         capture_output=True,

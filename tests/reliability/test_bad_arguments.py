@@ -131,7 +131,7 @@ def test_a_duplicate_section_is_refused_too(no_training, tmp_path, capsys):
 
 
 def test_anchors_and_merge_keys_are_not_duplicates():
-    from sft_runtime.runtime.yaml_keys import check_unique_keys
+    from sft_runtime.runtime.config_files.yaml_keys import check_unique_keys
 
     check_unique_keys(
         "base: &b\n  lr: 1\n  wd: 2\nother:\n  <<: *b\n  lr: 3\nthird: *b\n", "config.yaml"

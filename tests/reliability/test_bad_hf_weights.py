@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sft_runtime.runtime.config import apply_override
+from sft_runtime.runtime.config_files.overrides import apply_override
 from tests.support.fixtures import hf_overrides
 from tests.support.reliability import BIN
 from tests.support.small_run import small_raw

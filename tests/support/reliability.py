@@ -117,7 +117,7 @@ class Runner:
     launches: list[Launch] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from sft_runtime.runtime.config import apply_override
+        from sft_runtime.runtime.config_files.overrides import apply_override
         from tests.support.small_run import small_raw
 
         self.run_dir = self.root / self.name

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sft_runtime.runtime.config import MasterConfig, apply_override, validate_config
+from sft_runtime.runtime.config import MasterConfig, validate_config
+from sft_runtime.runtime.config_files.overrides import apply_override
 
 
 def small_raw(run_dir: Path, data_dir: Path, steps: int = 6) -> dict[str, Any]:

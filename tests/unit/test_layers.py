@@ -26,7 +26,7 @@ ORDER = [
     "lora",  # adapters through peft, below the policy that trains them
     "policy",
     "export",
-    "yaml_keys",  # a config file's duplicate keys, found before its values are read
+    "config_files",  # files read as NeMo RL reads them (defaults, interpolation, overrides)
     "config",  # MasterConfig: assembles the sections the folders below define
     "resume",  # which keys decide a step, and what changed since a checkpoint
     "controller",

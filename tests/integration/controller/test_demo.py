@@ -1,4 +1,6 @@
-"""`sft-runtime demo` end to end: data, training, checkpoints, traces; a re-run resumes."""
+"""`sft-runtime demo --toy` end to end: data, training, checkpoints, traces; a re-run resumes.
+
+(The real-model demo, the default, is proven by tests/integration/real_model.)"""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ def test_demo_trains_and_a_second_run_resumes(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env["RAY_AUTH_MODE"] = "disabled"
     run_dir = tmp_path / "demo"
-    command = [str(BIN), "demo", "--run-dir", str(run_dir)]
+    command = [str(BIN), "demo", "--toy", "--run-dir", str(run_dir)]
     first = subprocess.run(
         [*command, "--steps", "3"], capture_output=True, text=True, env=env, timeout=300
     )

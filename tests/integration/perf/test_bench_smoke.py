@@ -30,6 +30,7 @@ NOT_BENCHMARKS = {
     "timeline",  # where a worker's step goes, read from a run's spans
     "table",  # the row and its table
     "plain_loop",  # the reference loop the benchmarks run
+    "real_model_sides",  # the three trainers bench/real_model.py runs side by side
     "interleave",  # the in-turns runner of hf_step
     "run_all",  # this runner
     "gpu_hf",  # needs a GPU for its figures; its CPU smoke mode is run below

@@ -8,12 +8,8 @@ import pytest
 import yaml
 
 from sft_runtime.runtime.cli.demo import demo_config
-from sft_runtime.runtime.config import (
-    _max_train_steps,
-    apply_override,
-    load_config,
-    validate_config,
-)
+from sft_runtime.runtime.config import _max_train_steps, load_config, validate_config
+from sft_runtime.runtime.config_files.overrides import apply_override
 from sft_runtime.runtime.errors import UserInputError
 from tests.support.small_run import small_raw
 

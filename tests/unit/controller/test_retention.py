@@ -9,12 +9,8 @@ from pathlib import Path
 import pytest
 
 from sft_runtime.runtime.checkpoint.store import INFO_NAME, CheckpointDir, retained_steps
-from sft_runtime.runtime.config import (
-    CheckpointingConfig,
-    apply_override,
-    run_checkpoints,
-    validate_config,
-)
+from sft_runtime.runtime.config import CheckpointingConfig, run_checkpoints, validate_config
+from sft_runtime.runtime.config_files.overrides import apply_override
 from tests.support.small_run import small_raw
 
 # id, steps, metrics, save_period, keep_top_k, ft_keep_latest_k, higher_is_better, kept

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from sft_runtime.runtime.cli.main import main
-from sft_runtime.runtime.config import apply_override, validate_config
+from sft_runtime.runtime.config import validate_config
+from sft_runtime.runtime.config_files.overrides import apply_override
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.metrics.metrics_log import MetricsLogger, read_metrics
 from tests.support.small_run import small_raw

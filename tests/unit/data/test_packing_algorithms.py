@@ -8,7 +8,8 @@ from typing import get_args
 
 import pytest
 
-from sft_runtime.runtime.config import apply_override, loader_spec, validate_config
+from sft_runtime.runtime.config import loader_spec, validate_config
+from sft_runtime.runtime.config_files.overrides import apply_override
 from sft_runtime.runtime.data.config import PackingAlgorithm
 from sft_runtime.runtime.data.packing import PACKING_ALGORITHMS, plan_bins
 from sft_runtime.runtime.errors import UserInputError

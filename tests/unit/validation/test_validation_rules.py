@@ -13,7 +13,8 @@ from sft_runtime.events.errors import LineageError
 from sft_runtime.events.lineage import compare_reexecutions, records_in_effect
 from sft_runtime.events.schemas import RunStarted, ValidationCompleted
 from sft_runtime.runtime.cli.main import main as cli_main
-from sft_runtime.runtime.config import apply_override, validate_config
+from sft_runtime.runtime.config import validate_config
+from sft_runtime.runtime.config_files.overrides import apply_override
 from sft_runtime.runtime.data.demo import build_demo_dataset
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.validation.config import validation_due, validation_spec

@@ -1,0 +1,223 @@
+"""A real pretrained model at DP=1: sft-runtime's worker against a plain transformers loop and
+TRL's SFTTrainer, on the same conversations (bench/real_model_sides.py has the three).
+
+The model is SmolLM2-135M-Instruct (`sft-runtime fetch-demo-model`, into the user's cache)
+and the conversations the demo's identity chats, rendered by SmolLM2's template (TRL and the
+plain loop get its ``{% generation %}`` variant, tests/support/smollm2_template.py, for
+their assistant masks). Three modes: a full fine-tune unpacked (16 conversations a step in
+micro-batches of 4) and packed (4 rows of up to 256 tokens a step, 2 a micro-batch; TRL's
+``packing=True``), and LoRA (dim 16, every linear layer, unpacked) against TRL with peft.
+Same lr, rows, micro-batches, max length, assistant-only loss, AdamW at a constant LR,
+clipping at 1.0, float32 (TRL's bf16 and activation-checkpointing defaults turned off).
+
+Each side trains in a fresh process, in turns (plain, runtime, TRL, then again for the next
+round), so a busy spell of the machine weighs on all of them; a ratio is the median of the
+rounds'. Figures: supervised tokens per second over the steps after the warm-up, and the
+process's peak RSS. Targets: sft-runtime's time per supervised token <= 1.05x the plain
+loop's (its step time on the same tokens), its tokens/s >= 1.0x TRL's in every mode. Where
+one is missed, rows say where the time went (getting the batch, forward/backward, the
+optimizer step) and how many positions the forward passes ran over for each real one.
+
+Smoke mode runs the same code on a tiny Qwen2 model built here (no download), 3 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+if not __package__:  # run as a script: make `bench` and `tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import harness as h  # noqa: E402
+from bench.real_model_sides import Setup, run_side  # noqa: E402
+from bench.table import Row  # noqa: E402
+
+STEPS = h.pick(6, 3)
+WARMUP = h.pick(2, 1)
+SEQ = 256
+MODES: dict[str, dict[str, Any]] = {
+    "unpacked": {"rows": 16, "micro": 4, "lr": 1e-4, "packed": False, "lora": None},
+    "packed": {"rows": 4, "micro": 2, "lr": 1e-4, "packed": True, "lora": None},
+    "lora": {
+        "rows": 16,
+        "micro": 4,
+        "lr": 1e-3,
+        "packed": False,
+        # every linear layer but the LM head (TRL refuses an adapter there; SmolLM2's is
+        # tied to the embedding, which the runtime leaves out anyway)
+        "lora": {"dim": 16, "alpha": 32, "match_all_linear": True, "exclude_modules": ["lm_head"]},
+    },
+}
+SIDES = ("plain", "runtime", "trl")
+STEP_TARGET = 1.05  # sft-runtime's time per supervised token over the plain loop's
+TRL_TARGET = 1.0  # sft-runtime's tokens/s over TRL's
+
+
+def _model(scratch: Path) -> tuple[Path, str | None]:
+    """(model folder, its template with generation markers; None: its own has them)."""
+    if h.SMOKE:
+        from sft_runtime.runtime.data.identity_chats import identity_conversations
+        from tests.support.hf_models import hf_model_dir
+
+        texts = ["\n".join(m["content"] for m in c) for c in identity_conversations(200, seed=9)]
+        return hf_model_dir(scratch / "tiny-qwen2", family="qwen2", texts=texts), None
+    from sft_runtime.runtime.models.demo_model import fetch_demo_model
+    from tests.support.smollm2_template import GENERATION_TEMPLATE
+
+    return fetch_demo_model(progress=lambda line: print(line, file=sys.stderr)), (
+        GENERATION_TEMPLATE
+    )
+
+
+def _data(scratch: Path, model: Path, count: int) -> tuple[Path, Path]:
+    """The conversations as JSONL and prepared for the runtime (rendered by the template)."""
+    from sft_runtime.runtime.data.identity_chats import write_identity_jsonl
+    from sft_runtime.runtime.data.prepare import prepare_jsonl
+
+    chats = write_identity_jsonl(scratch / "chats.jsonl", count, seed=1)
+    prepare_jsonl(chats, scratch / "data", shard_size=256, tokenizer=model)
+    return chats, scratch / "data"
+
+
+def _child(side: str, setup_file: Path, work: Path) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", side, str(setup_file), str(work)],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _median(results: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in results)
+
+
+def _mode_rows(mode: str, runs: dict[str, list[dict[str, Any]]]) -> list[Row]:
+    ours, plain, trl = runs["runtime"], runs["plain"], runs["trl"]
+    label = "LoRA vs TRL + peft" if mode == "lora" else f"{mode}"
+    # time per supervised token: the step time of a step of the same tokens
+    per_token = statistics.median(
+        (o["step_s"] / o["tokens_per_step"]) / (p["step_s"] / p["tokens_per_step"])
+        for o, p in zip(ours, plain, strict=True)
+    )
+    vs_trl = statistics.median(
+        o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, trl, strict=True)
+    )
+    rows = [
+        Row(
+            name=f"{label}: step time per supervised token, sft-runtime vs plain loop",
+            value=_median(ours, "step_s") / _median(ours, "tokens_per_step") * 1e3,
+            unit="ms/tok",
+            reference=_median(plain, "step_s") / _median(plain, "tokens_per_step") * 1e3,
+            ratio=per_token,
+            target=f"<= {STEP_TARGET}",
+            ok=per_token <= STEP_TARGET,
+        ),
+        Row(
+            name=f"{label}: supervised tokens/s, sft-runtime vs TRL",
+            value=_median(ours, "tokens_per_s"),
+            unit="tok/s",
+            reference=_median(trl, "tokens_per_s"),
+            ratio=vs_trl,
+            target=f">= {TRL_TARGET}",
+            ok=vs_trl >= TRL_TARGET,
+        ),
+        Row(
+            name=f"{label}: supervised tokens/s, plain loop (the limit)",
+            value=_median(plain, "tokens_per_s"),
+            unit="tok/s",
+        ),
+    ]
+    for other, name in ((plain, "plain loop"), (trl, "TRL")):
+        rows.append(
+            Row(
+                name=f"{label}: peak RSS, sft-runtime's worker vs {name}",
+                value=_median(ours, "peak_rss_mib"),
+                unit="MiB",
+                reference=_median(other, "peak_rss_mib"),
+                ratio=_median(ours, "peak_rss_mib") / _median(other, "peak_rss_mib"),
+            )
+        )
+    if not (rows[0].ok and rows[1].ok):
+        rows += _where_the_time_goes(label, runs)
+    for note in sorted({n for r in trl for n in r.get("notes", [])}):
+        rows.append(Row(name=f"{label}: TRL {note}", value=float("nan"), unit=""))
+    return rows
+
+
+def _where_the_time_goes(label: str, runs: dict[str, list[dict[str, Any]]]) -> list[Row]:
+    """A missed target: each side's step split into its parts, per supervised token, and
+    the positions its forward passes ran over per real token (padding)."""
+    rows = []
+    for side in SIDES:
+        results = runs[side]
+        tokens = _median(results, "tokens_per_step")
+        parts = ("load_s", "forward_backward_s", "optimizer_s")
+        shown = ", ".join(
+            f"{part.removesuffix('_s').replace('forward_backward', 'fwd+bwd')} "
+            f"{_median(results, part) / tokens * 1e3:.2f}"
+            for part in parts
+            if _median(results, part) > 0
+        )
+        padding = _median(results, "computed_tokens") / max(_median(results, "real_tokens"), 1)
+        rows.append(
+            Row(
+                name=f"{label}: {side} ms/supervised token ({shown or 'not split'}); "
+                "positions run per token",
+                value=padding,
+                unit="x",
+            )
+        )
+    return rows
+
+
+def run() -> list[dict]:
+    scratch = Path(tempfile.mkdtemp(prefix="bench-real-model-"))
+    rows: list[Row] = []
+    try:
+        model, template = _model(scratch)
+        most_rows = max(m["rows"] for m in MODES.values())
+        chats, data = _data(scratch, model, count=most_rows * STEPS * 2)
+        for mode, shape in MODES.items():
+            setup = Setup(
+                model_dir=str(model),
+                data_dir=str(data),
+                chats=str(chats),
+                generation_template=template,
+                steps=STEPS,
+                warmup=WARMUP,
+                seq=SEQ,
+                threads=h.usable_cores(),
+                **shape,
+            )
+            setup_file = scratch / f"{mode}.json"
+            setup_file.write_text(json.dumps(asdict(setup)))
+            runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+            for round_ in range(h.ROUNDS):
+                for side in SIDES:
+                    work = scratch / "work" / f"{mode}-{side}-{round_}"
+                    runs[side].append(_child(side, setup_file, work))
+                    shutil.rmtree(work, ignore_errors=True)
+            rows += _mode_rows(mode, runs)
+            trainable = runs["runtime"][0]["trainable"]
+            rows.append(Row(name=f"{mode}: trainable parameters", value=trainable / 1e6, unit="M"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return [row.as_dict() for row in rows]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        print(json.dumps(run_side(*sys.argv[2:5])))
+        sys.exit(0)
+    h.main(run, __doc__)
