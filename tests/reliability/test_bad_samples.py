@@ -25,28 +25,13 @@ import yaml
 from sft_runtime.events import read_log
 from sft_runtime.runtime.data.demo import demo_conversation
 from tests.support.fixtures import data_set_messages
-from tests.support.reliability import BIN, LAUNCH_TIMEOUT_S, Runner, reap
+from tests.support.reliability import Runner
 
 pytest.importorskip("transformers")
 
 SAMPLES = 128
 BAD_STEP = 4  # the step whose batch on rank 0 holds the refused sample
 LIMIT = 96
-
-
-def _cli(runner: Runner, *args: str) -> subprocess.CompletedProcess:
-    tag = runner.new_tag()
-    try:
-        return subprocess.run(
-            [str(BIN), *args],
-            env=runner.env(tag),
-            capture_output=True,
-            text=True,
-            timeout=LAUNCH_TIMEOUT_S,
-            start_new_session=True,
-        )
-    finally:
-        reap(tag)
 
 
 def _one_line_error(done: subprocess.CompletedProcess) -> str:
@@ -129,7 +114,7 @@ def test_a_refused_sample_stops_the_run_naming_it_and_a_resume_can_skip_it(
     bad = _prepare(chats, tmp_path / "bad")
 
     runner = Runner(tmp_path, bad, ray_tmp, tag, name="run", steps=6, overrides=overrides)
-    message = _one_line_error(_cli(runner, *runner.command[1:]))
+    message = _one_line_error(runner.cli(*runner.command[1:]))
     assert key in message and "System role not supported" in message
     assert "data.skip_bad_samples" in message
     committed = [e["step"] for e in _events(runner.run_dir, "step_committed")]
@@ -141,15 +126,15 @@ def test_a_refused_sample_stops_the_run_naming_it_and_a_resume_can_skip_it(
 
     # nothing was lost: the same command, told to skip, resumes from step 2 and finishes
     _write_config(runner, lambda raw: raw["data"].update(skip_bad_samples=True))
-    resumed = _cli(runner, *runner.command[1:])
+    resumed = runner.cli(*runner.command[1:])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "1 sample(s) refused by the chat template were skipped" in resumed.stdout
     steps = {e["step"]: e for e in _events(runner.run_dir, "step_committed")}
     assert [steps[s]["skipped_samples"] for s in sorted(steps)] == [0, 0, 0, 1, 0, 0]
-    verified = _cli(runner, "verify", str(runner.run_dir))
+    verified = runner.cli("verify", str(runner.run_dir))
     assert verified.returncode == 0, verified.stdout + verified.stderr
     rows = json.loads(
-        _cli(runner, "samples", str(runner.run_dir), "--step", str(BAD_STEP), "--json").stdout
+        runner.cli("samples", str(runner.run_dir), "--step", str(BAD_STEP), "--json").stdout
     )
     (skipped,) = [s for s in rows[0]["samples"] if s["source_id"] == key]
     assert skipped["supervised_tokens"] == 0
@@ -183,7 +168,7 @@ def test_overlong_samples_are_weighted_zero_counted_and_reported(
         raw["policy"]["tokenizer"] = {"chat_template": template}  # no name, no path
 
     _write_config(runner, change)
-    done = _cli(runner, *runner.command[1:])
+    done = runner.cli(*runner.command[1:])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     output = done.stdout + done.stderr
     assert "Filling reading buffer" not in output and "Traceback" not in output
@@ -202,7 +187,7 @@ def test_overlong_samples_are_weighted_zero_counted_and_reported(
     messages = data_set_messages(demo_data)
     for step in (2, 3):
         rows = json.loads(
-            _cli(runner, "samples", str(runner.run_dir), "--step", str(step), "--json").stdout
+            runner.cli("samples", str(runner.run_dir), "--step", str(step), "--json").stdout
         )
         overlong = variants = 0
         for sample in (s for row in rows for s in row["samples"]):

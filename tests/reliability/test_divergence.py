@@ -19,13 +19,10 @@ import yaml
 from sft_runtime.events import read_log
 from sft_runtime.events.schemas import as_float
 from tests.support.reliability import (
-    BIN,
-    LAUNCH_TIMEOUT_S,
     STEPS,
     Runner,
     committed,
     compare,
-    reap,
 )
 
 HUGE_LR = "1.0e+30"  # the first update leaves weights so large that the next loss is NaN
@@ -43,23 +40,8 @@ def _set(runner: Runner, **changes: object) -> None:
     runner.config.write_text(yaml.safe_dump(raw))
 
 
-def _cli(runner: Runner, *args: str) -> subprocess.CompletedProcess:
-    tag = runner.new_tag()
-    try:
-        return subprocess.run(
-            [str(BIN), *args],
-            env=runner.env(tag),
-            capture_output=True,
-            text=True,
-            timeout=LAUNCH_TIMEOUT_S,
-            start_new_session=True,
-        )
-    finally:
-        reap(tag)
-
-
 def _train(runner: Runner, *extra: str) -> subprocess.CompletedProcess:
-    return _cli(runner, "train", str(runner.config), "--run-dir", str(runner.run_dir), *extra)
+    return runner.cli("train", str(runner.config), "--run-dir", str(runner.run_dir), *extra)
 
 
 def _tools_read(runner: Runner) -> None:
@@ -73,7 +55,7 @@ def _tools_read(runner: Runner) -> None:
         ("verify", run),
         ("diff", run, run),
     ):
-        done = _cli(runner, *args)
+        done = runner.cli(*args)
         assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
         assert "Traceback" not in done.stdout + done.stderr, args
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from sft_runtime.runtime.metrics.metrics_log import read_metrics
-from tests.support.reliability import LAUNCH_TIMEOUT_S, STEPS, Runner, committed, reap
+from tests.support.reliability import STEPS, Runner, committed
 
 
 @pytest.fixture
@@ -39,20 +39,8 @@ def _left(root: Path) -> list[str]:
 
 
 def _train(runner: Runner, root: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    tag = runner.new_tag()
-    env = runner.env(tag, fault)
-    env["TMPDIR"] = str(root)
-    try:
-        return subprocess.run(
-            runner.command,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=LAUNCH_TIMEOUT_S,
-            start_new_session=True,
-        )
-    finally:
-        reap(tag)  # every process of the launch is gone before the folder is looked at
+    """Every process of the launch is gone (`Runner.cli`) before the folder is looked at."""
+    return runner.cli(*runner.command[1:], fault=fault, env={"TMPDIR": str(root)})
 
 
 def test_a_cli_run_leaves_no_ray_session_folder(tmp_path, demo_data, launch_env, temp_root):

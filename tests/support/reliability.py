@@ -149,6 +149,24 @@ class Runner:
                 env["SFT_RUNTIME_FAULT_HOLD"] = str(hold)
         return env
 
+    def cli(
+        self, *args: str, fault: str | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        """`sft-runtime ARGS` as a user types it, in this runner's environment (plus ``env``);
+        every process it left is ended (by pid) before this returns."""
+        tag = self.new_tag()
+        try:
+            return subprocess.run(
+                [str(BIN), *args],
+                env={**self.env(tag, fault), **(env or {})},
+                capture_output=True,
+                text=True,
+                timeout=LAUNCH_TIMEOUT_S,
+                start_new_session=True,
+            )
+        finally:
+            reap(tag)
+
     def new_tag(self) -> str:
         return f"{self.session_tag}:{self.name}:{next(_counter)}"
 
