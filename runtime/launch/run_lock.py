@@ -29,8 +29,8 @@ def holding_run(run_dir: Path) -> Iterator[None]:
     """Hold the run directory for one launch; a second launch anywhere is refused at once
     with one line naming the holding driver's pid and host."""
     key = Path(run_dir).resolve()
-    if key in _HELD:
-        raise UserInputError(f"{run_dir}: this process is already running a launch on it")
+    if key in _HELD:  # a second launch from another thread of this driver
+        raise UserInputError(_refusal(run_dir))
     key.mkdir(parents=True, exist_ok=True)
     try:
         fd = acquire_lock(key / RUN_LOCK_NAME)

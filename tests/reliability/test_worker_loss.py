@@ -8,6 +8,7 @@ the test wants it, and a thread acts once the hold file appears.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -169,7 +170,11 @@ def test_a_second_run_on_a_live_run_directory_is_refused(
         _no_faults(monkeypatch)
     assert summary["reason"] == "completed" and summary["total_steps"] == steps
     assert outcome["rc"] == 2, outcome
-    assert "is already being written by another run" in outcome["err"]
+    # refused by the driver's run lock, before it read the resume point; it names the holder
+    assert (
+        f"another launch is running on this run directory (driver pid {os.getpid()}"
+        in (outcome["err"])
+    )
     assert outcome["steps_meanwhile"] == [1]  # refused while the first run was mid-way
     assert sorted({r.attempt for r in read_log(run_dir)}) == [1]  # the second wrote nothing
     assert sorted(committed(run_dir)) == list(range(1, steps + 1))
