@@ -82,9 +82,14 @@ def _same(a: list[dict], b: list[dict]) -> None:
 
 
 def _wait_full(loader: PrefetchingLoader) -> None:
-    """Until the read-ahead holds `depth` batches (no timing claim, only a bounded wait)."""
+    """Until the read-ahead holds `depth` batches and no fetch is in flight (a fetch counts
+    in `held()` from the moment it starts, before energon moves). No timing claim, only a
+    bounded wait."""
     deadline = time.monotonic() + 60
-    while loader.held() < loader.depth:
+    while True:
+        with loader._cond:
+            if not loader._busy and loader.held() >= loader.depth:
+                return
         assert time.monotonic() < deadline, "read-ahead never filled"
         time.sleep(0.005)
 
