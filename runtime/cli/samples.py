@@ -61,7 +61,7 @@ def cmd_samples(args: argparse.Namespace) -> int:
         return 0
     start = found.start
     print(
-        f"step {args.step} of {start.run_dir}: loaders restored from {start.checkpoint_path} "
+        f"step {args.step} of {start.run_dir}: loaders started from {start.origin} "
         f"and read through steps {start.checkpoint + 1}..{args.step}; every batch matches "
         "the log's sample digests"
     )

@@ -108,10 +108,11 @@ def read_rank(
     rank: int,
     world: int,
     placement_hash: str,
-    state: bytes,
+    state: bytes | None,
 ) -> RankSamples:
-    """Restore one rank's loader at the checkpoint and read up to ``start.step``, checking
-    every batch's digest against the log."""
+    """Restore one rank's loader at the checkpoint (or build it fresh, from the run's start:
+    ``state`` None) and read up to ``start.step``, checking every batch's digest against the
+    log."""
     from sft_runtime.runtime.checkpoint.loader_states import load_loader_state
     from sft_runtime.runtime.data.factory import build_colocated_loader
     from sft_runtime.runtime.data.tokenizer import build_tokenizer
@@ -119,15 +120,15 @@ def read_rank(
 
     loader = build_colocated_loader(spec, rank, world, placement_hash)
     try:
-        loader.setup(load_loader_state(state))
+        loader.setup(None if state is None else load_loader_state(state))
         batch = None
         for step in range(start.checkpoint + 1, start.step + 1):
             envelope = loader.load()
             got, logged = sample_digest(envelope.source_ids), start.facts[step].digests[rank]
             if got != logged:
                 raise SampleMismatchError(
-                    f"step {step}, logical rank {rank}: the loader restored from "
-                    f"{start.checkpoint_path} gives samples with digest {got}, the log "
+                    f"step {step}, logical rank {rank}: the loader started from "
+                    f"{start.origin} gives samples with digest {got}, the log "
                     f"recorded {logged} (the data set or the loader changed since the run)"
                 )
             batch = loader.active_batch
@@ -148,24 +149,36 @@ def step_samples(
     from sft_runtime.runtime.checkpoint.resume import check_checkpoint
     from sft_runtime.runtime.config import load_config, loader_spec
 
-    start = find_start(run_dir, step, checkpoint_dir=checkpoint_dir)
-    saved, states, _ = check_checkpoint(start.reader(), start.checkpoints, start.checkpoint)
-    world = len(states)
+    start = find_start(run_dir, step, checkpoint_dir=checkpoint_dir, from_run_start=True)
     logged = start.facts[step].digests
+    if start.checkpoint == 0:
+        began = _run_started(start)
+        placement_hash = began["placement_hash"]
+        world = began.get("logical_world_size") or len(logged)
+        states: list[bytes | None] = [None] * world
+    else:
+        saved, states, _ = check_checkpoint(start.reader(), start.checkpoints, start.checkpoint)
+        placement_hash, world = saved.placement_hash, len(states)
     if len(logged) != world:
         raise UserInputError(
             f"{start.log}: step {step} records {len(logged)} sample digests but "
-            f"{start.checkpoint_path} holds loader states of {world} logical ranks"
+            f"{start.origin} holds loader states of {world} logical ranks"
         )
     chosen = list(range(world)) if ranks is None else list(ranks)
     for rank in chosen:
         if not 0 <= rank < world:
             raise UserInputError(f"--rank {rank}: the run has logical ranks 0..{world - 1}")
-    config = load_config(start.checkpoint_path / "config.yaml")
+    config = load_config(start.config_path)
     # A sample the template refused is shown as the place it held (the stream is the same
     # with or without the skip), not refused again: the run that trained past it skipped it.
     spec = loader_spec(config, world).model_copy(update={"skip_bad_samples": True})
-    found = [
-        read_rank(start, spec, rank, world, saved.placement_hash, states[rank]) for rank in chosen
-    ]
+    found = [read_rank(start, spec, rank, world, placement_hash, states[rank]) for rank in chosen]
     return StepSamples(start, tuple(found))
+
+
+def _run_started(start: StartPoint) -> dict[str, Any]:
+    """The payload of the ``run_started`` the re-run begins at."""
+    for rec in start.reader():
+        if rec.line == start.checkpoint_line:
+            return rec.data
+    raise UserInputError(f"{start.log}: line {start.checkpoint_line} is gone")

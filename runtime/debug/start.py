@@ -32,10 +32,25 @@ class StartPoint:
     checkpoints: CheckpointDir
     checkpoint_line: int  # 1-based line of the checkpoint_saved record in effect
     facts: dict[int, StepFacts]  # every committed step in effect, as the log has it
+    # from the run's start (``checkpoint`` 0): the checkpoint whose config.yaml is read
+    config_checkpoint: int | None = None
 
     @property
     def checkpoint_path(self) -> Path:
         return self.checkpoints.path(self.checkpoint)
+
+    @property
+    def config_path(self) -> Path:
+        """The config.yaml the re-run is built from."""
+        held = self.checkpoint if self.config_checkpoint is None else self.config_checkpoint
+        return self.checkpoints.path(held) / "config.yaml"
+
+    @property
+    def origin(self) -> str:
+        """Where the re-run starts, in words."""
+        if self.checkpoint == 0:
+            return f"the run's start (config from {self.config_path})"
+        return str(self.checkpoint_path)
 
     @property
     def log(self) -> Path:
@@ -63,9 +78,16 @@ def find_start(
     *,
     until: int | None = None,
     checkpoint_dir: Path | str | None = None,
+    from_run_start: bool = False,
 ) -> StartPoint:
     """The start point of a re-run of steps up to ``until`` (default ``step``); bad input
-    (a step the log does not hold, no checkpoint before ``step``) raises `UserInputError`."""
+    (a step the log does not hold, no checkpoint before ``step``) raises `UserInputError`.
+
+    ``from_run_start``: with no checkpoint before ``step``, start from the run's start,
+    which is as deterministic as a checkpoint for what needs no weights (the loaders), its
+    config read from the oldest checkpoint on disk (the log's digests then prove each
+    batch read, so a config that changed since shows as a mismatch, never as an answer).
+    """
     run_dir = Path(run_dir)
     reader = open_run_log(run_dir)
     facts = step_facts(reader)
@@ -87,6 +109,11 @@ def find_start(
     # wherever the run saved them (checkpointing.checkpoint_dir), or under --checkpoint-dir
     recorded = recorded_checkpoints(reader, run_dir, checkpoint_dir=checkpoint_dir)
     usable = [c for c in recorded if c.exists and c.step < step]
+    on_disk = [c for c in recorded if c.exists]
+    if not usable and from_run_start and on_disk:
+        start = _fresh_start_line(reader)
+        checkpoints = CheckpointDir(on_disk[0].folder.parent)
+        return StartPoint(run_dir, step, until, 0, checkpoints, start, facts, on_disk[0].step)
     if not usable:
         on_disk = [c.step for c in recorded if c.exists]
         where = checkpoint_store(run_dir, reader, checkpoint_dir=checkpoint_dir).root
@@ -97,3 +124,16 @@ def find_start(
     k = usable[-1]
     checkpoints = CheckpointDir(k.folder.parent)
     return StartPoint(run_dir, step, until, k.step, checkpoints, saved_at[k.step], facts)
+
+
+def _fresh_start_line(reader: LogReader) -> int:
+    """The line of the ``run_started`` in effect that began from scratch (the last one:
+    a run that failed before its first checkpoint starts from scratch again)."""
+    fresh = [
+        rec.line
+        for rec in records_in_effect(reader)
+        if rec.type == "run_started" and rec.data.get("resumed_from_step") is None
+    ]
+    if not fresh:
+        raise UserInputError(f"{reader.path}: no run_started record in effect")
+    return fresh[-1]

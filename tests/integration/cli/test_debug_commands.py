@@ -119,6 +119,37 @@ def test_samples_are_what_the_loader_gave(run, data_set, capsys):
     assert "<assistant>[[" in out
 
 
+def test_samples_before_the_first_checkpoint_start_from_the_run_start(run, capsys):
+    """Steps 1-3 precede every checkpoint: the loaders are built fresh, as the run built
+    them, and each batch still has to match the log's digests."""
+    for step in (1, 2, 3):
+        rows = _samples_json(run, step, capsys)
+        logged = step_facts(run)[step].digests
+        assert [row["checkpoint"] for row in rows] == [0, 0]
+        assert [row["digest"] for row in rows] == list(logged)
+        for row in rows:
+            assert sample_digest([s["source_id"] for s in row["samples"]]) == row["digest"]
+    assert main(["samples", str(run), "--step", "2", "--rank", "0"]) == 0
+    assert "loaders started from the run's start (config from" in capsys.readouterr().out
+    # step 4 comes from checkpoint 3, and agrees with the read from the start through it
+    assert [row["checkpoint"] for row in _samples_json(run, 4, capsys)] == [3, 3]
+
+
+def test_samples_from_the_start_refuse_a_log_that_recorded_other_samples(run, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+
+    def other_samples_at_2(rec):
+        if rec.type == "step_committed" and rec.data["step"] == 2:
+            return {**rec.data, "sample_digests": ["0" * 32, rec.data["sample_digests"][1]]}
+        return rec.data
+
+    _rechain(copy / "events.jsonl", other_samples_at_2)
+    assert main(["samples", str(copy), "--step", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "step 2, logical rank 0: the loader started from the run's start" in err
+
+
 def test_samples_refuse_a_log_that_recorded_other_samples(run, tmp_path, capsys):
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
@@ -211,7 +242,6 @@ def _damaged(run: Path, root: Path) -> Path:
 @pytest.mark.parametrize(
     ("command", "extra", "message"),
     [
-        ("samples", ["--step", "2"], "no checkpoint before step 2"),
         ("reproduce", ["--step", "3"], "no checkpoint before step 3"),
         ("samples", ["--step", "8"], "step 8 is beyond the log"),
         ("reproduce", ["--step", "5", "--to", "9"], "step 9 is beyond the log"),
