@@ -15,7 +15,8 @@ A dropped or skipped sample keeps its place in the batch as a single zero-weight
 every rank's batch keeps its rows and the step's counts (``overlong_samples``,
 ``skipped_samples``) come out of the same deterministic stream on a resume.
 
-Packing randomness (``first_fit_shuffle``) uses a private `random.Random` seeded from energon's
+Packing randomness (``first_fit_shuffle``'s order, and the order a buffer's rows are dealt
+in, `packing.deal`) uses a private `random.Random` seeded from energon's
 per-worker seed and the pre-packing call index that energon keeps in the loader state; both are
 restored on resume, so the shuffle repeats exactly and no global RNG is touched.
 """
@@ -30,7 +31,7 @@ from megatron.energon import Sample, SkipSample, TaskEncoder, WorkerConfig, edat
 from megatron.energon.rng import SystemRng
 
 from sft_runtime.runtime.data.batch import SFTBatch
-from sft_runtime.runtime.data.packing import plan_bins
+from sft_runtime.runtime.data.packing import deal, plan_bins
 from sft_runtime.runtime.data.sample import ChatSample
 from sft_runtime.runtime.data.tokenizer import ChatTokenizer, apply_chat_template
 
@@ -194,7 +195,7 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
     def select_samples_to_pack(self, samples: list[EncodedChat]) -> list[list[EncodedChat]]:
         """Plan bins of at most `max_input_seq_length` tokens over the whole buffer."""
         assert self.packing_algorithm is not None
-        rng = self._pack_rng() if self.packing_algorithm == "first_fit_shuffle" else None
+        rng = self._pack_rng()
         bins = plan_bins(
             [s.length for s in samples],
             self.max_input_seq_length,
@@ -203,6 +204,8 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
             rng=rng,
             balanced_knapsack_delta=self.balanced_knapsack_delta,
         )
+        if self.packing_algorithm != "concatenative":  # which keeps the stream's order
+            bins = deal(bins, rng)
         return [[samples[i] for i in b] for b in bins]
 
     @stateless
