@@ -79,7 +79,9 @@ def raw_config(args, folder: Path, data: Path, run_dir: Path) -> dict:
             "model": {"kind": "hf", "hf_path": str(folder)},
             "train_global_batch_size": args.gpus * args.micro * args.accum,
             "train_micro_batch_size": args.micro,
-            "optimizer": {"lr": 1e-4},
+            "optimizer": {  # the plain loop's AdamW: torch's defaults
+                "kwargs": {"lr": 1e-4, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
+            },
             "make_sequence_length_divisible_by": 64,
             "sequence_packing": {"enabled": True, "algorithm": "first_fit_decreasing"},
             "parallel": {

@@ -100,7 +100,7 @@ def raw_config(
             "model": {"vocab_size": 264, **shape["model"]},
             "train_global_batch_size": shape["global_batch"],
             "train_micro_batch_size": shape["micro"],
-            "optimizer": {"lr": 1e-3},
+            "optimizer": {"kwargs": {"lr": 1e-3}},
             "make_sequence_length_divisible_by": 8,
         },
         "data": {

@@ -85,7 +85,7 @@ def train_child(folder: str, mode: str, out: str) -> dict[str, Any]:
             "model": {"kind": "hf", "hf_path": folder},
             "train_global_batch_size": ROWS,
             "train_micro_batch_size": ROWS,
-            "optimizer": {"lr": LR},
+            "optimizer": {"kwargs": {"lr": LR}},
             "lora": LORA if mode == "lora" else {},
         }
     )

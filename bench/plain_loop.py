@@ -69,10 +69,11 @@ class PlainLoop:
                 self.model = build_model(self.policy.model)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        from sft_runtime.runtime.policy.schedule import LrSchedule, build_optimizer
+
         o = self.policy.optimizer
-        self.opt = torch.optim.AdamW(
-            self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
-        )
+        self.opt = build_optimizer(self.params, o.name, o.kwargs)
+        self.schedule = LrSchedule(o.lr, self.policy.scheduler)
         self.fn = NLLLossFn()
         self.steps_done = 0
         self.phases: list[dict[str, float]] = []  # seconds of each phase, per step
@@ -102,8 +103,6 @@ class PlainLoop:
         return self.model(input_ids=mb.input_ids, attention_mask=mask, use_cache=False).logits
 
     def step(self, step: int) -> float:
-        from sft_runtime.runtime.policy.schedule import lr_at
-
         torch, dist, fn = self.torch, self.dist, self.fn
         marks = [time.perf_counter()]
         batch = self._batch(step)
@@ -131,7 +130,7 @@ class PlainLoop:
             p.grad = flat[offset : offset + g.numel()].view_as(p)
             offset += g.numel()
         torch.nn.utils.clip_grad_norm_(self.params, self.policy.max_grad_norm)
-        lr = lr_at(self.steps_done, self.policy.optimizer.lr, self.policy.scheduler)
+        lr = self.schedule.at(self.steps_done)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()

@@ -83,6 +83,7 @@ class _PlainLoop:
         from sft_runtime.runtime.policy import rendezvous
         from sft_runtime.runtime.policy.loss import NLLLossFn
         from sft_runtime.runtime.policy.model import build_model
+        from sft_runtime.runtime.policy.schedule import LrSchedule, build_optimizer
 
         torch.set_num_threads(1)
         self.dist = dist
@@ -92,17 +93,14 @@ class _PlainLoop:
         self.model = build_model(self.policy.model)
         self.params = list(self.model.parameters())
         o = self.policy.optimizer
-        self.opt = torch.optim.AdamW(
-            self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
-        )
+        self.opt = build_optimizer(self.params, o.name, o.kwargs)
+        self.schedule = LrSchedule(o.lr, self.policy.scheduler)
         self.source, self.fn = _source(rank)(), NLLLossFn()
         self.source.setup(None)
         self.step_index = 0
 
     def step(self) -> tuple[float, float, float]:
         """One step; (seconds, forward/backward seconds, loss)."""
-        from sft_runtime.runtime.policy.schedule import lr_at
-
         dist, fn, params = self.dist, self.fn, self.params
         t0 = time.perf_counter()
         self.source.load()
@@ -126,7 +124,7 @@ class _PlainLoop:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         torch.nn.utils.clip_grad_norm_(params, self.policy.max_grad_norm)
-        lr = lr_at(self.step_index, self.policy.optimizer.lr, self.policy.scheduler)
+        lr = self.schedule.at(self.step_index)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()

@@ -94,8 +94,10 @@ def runtime_config(setup: Setup, run_dir: Path) -> dict[str, Any]:
         "train_global_batch_size": setup.rows,
         "train_micro_batch_size": setup.micro,
         "max_grad_norm": 1.0,
-        "optimizer": {"lr": setup.lr, "weight_decay": 0.0},
-        "scheduler": {"kind": "constant"},
+        # TRL's and the plain loop's AdamW: torch's defaults
+        "optimizer": {
+            "kwargs": {"lr": setup.lr, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+        },
     }
     energon: dict[str, Any] = {"num_workers": 0, "shuffle_buffer_size": None}
     if setup.lora:

@@ -56,7 +56,7 @@ class DivergedError(RunFailure):
         super().__init__(
             f"step {step} diverged (loss {loss}, grad_norm {grad_norm}): its update was not "
             f"applied and the run stopped; {where}. Run the same command with a smaller "
-            "policy.optimizer.lr, or set sft.skip_nonfinite_steps=true to skip such steps"
+            "policy.optimizer.kwargs.lr, or set sft.skip_nonfinite_steps=true to skip such steps"
         )
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from sft_runtime.runtime.config import MasterConfig, _max_train_steps  # noqa: F401
 from sft_runtime.runtime.controller.actor import SFTSingleControllerActor
 from sft_runtime.runtime.controller.loop import SFTController  # noqa: F401
+from sft_runtime.runtime.data.bring import bring_data  # noqa: F401 - NeMo RL's data files
 from sft_runtime.runtime.launch.setup import (  # noqa: F401
     SFTV2ActorArgs,
     _initial_save_state,

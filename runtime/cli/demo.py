@@ -27,8 +27,15 @@ def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 150) -> 
             "train_global_batch_size": 16,
             "train_micro_batch_size": 8,
             "max_grad_norm": 1.0,
-            "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
-            "scheduler": {"kind": "constant", "warmup_steps": 5},
+            "optimizer": {
+                "kwargs": {"lr": 3e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+            },
+            "scheduler": [  # a warmup over 5 steps, then constant
+                {
+                    "name": "torch.optim.lr_scheduler.LinearLR",
+                    "kwargs": {"start_factor": 0.2, "end_factor": 1.0, "total_iters": 4},
+                }
+            ],
             "make_sequence_length_divisible_by": 8,
         },
         "data": {

@@ -41,8 +41,9 @@ def pretrained_demo_config(
             "train_global_batch_size": 16,
             "train_micro_batch_size": 8,
             "max_grad_norm": 1.0,
-            "optimizer": {"lr": 1e-3, "weight_decay": 0.0},
-            "scheduler": {"kind": "constant", "warmup_steps": 0},
+            "optimizer": {
+                "kwargs": {"lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+            },
             "make_sequence_length_divisible_by": 8,
         },
         "data": {

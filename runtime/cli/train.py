@@ -145,9 +145,11 @@ def _train(config, console=None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from sft_runtime.runtime.config import _max_train_steps, checkpoint_root
+    from sft_runtime.runtime.data.bring import bring_data
     from sft_runtime.runtime.launch.driver import RunInterrupted, run_training
 
     console = console or Console()
+    config = bring_data(config)  # NeMo RL's data files prepared (once), the epoch known
     run_dir = Path(config.logger.log_dir)
     total = _max_train_steps(config)
     progress = Progress(

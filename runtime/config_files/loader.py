@@ -19,6 +19,7 @@ import yaml
 
 from sft_runtime.runtime.config_files.overrides import apply_overrides
 from sft_runtime.runtime.config_files.yaml_keys import check_unique_keys
+from sft_runtime.runtime.config_files.yaml_numbers import load_yaml
 from sft_runtime.runtime.errors import UserInputError
 
 DEFAULTS_KEY = "defaults"
@@ -98,7 +99,7 @@ def _read_one(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise UserInputError(f"{path}: not a text file (a YAML config is UTF-8 text)") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

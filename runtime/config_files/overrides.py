@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from sft_runtime.runtime.config_files.yaml_numbers import load_yaml
 from sft_runtime.runtime.errors import UserInputError
 
 
@@ -72,6 +73,6 @@ def _value(text: str) -> Any:
     if not text:
         return ""
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError:
         return text

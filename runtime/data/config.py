@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sft_runtime.runtime.data.packing import PACKING_ALGORITHMS
 from sft_runtime.runtime.data.placement import MAPPERS
+from sft_runtime.runtime.data.record_shapes import DatasetName, RecordShape
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError
 
@@ -29,6 +30,7 @@ TokenizerConfig = TokenizerSpec
 """The ``tokenizer`` section: ``name: byte`` (default) or ``name: huggingface, path: DIR``."""
 
 PackingAlgorithm = Literal[PACKING_ALGORITHMS]  # a tuple subscript lists its members
+DATASET_NAMES = DatasetName.__args__  # NeMo RL's local-file data sets
 OverlongPolicy = Literal["mask", "truncate", "drop"]
 """What happens to a sample longer than ``data.max_input_seq_length`` (see task_encoder.py)."""
 
@@ -46,19 +48,93 @@ class EnergonConfig(_Section):
     topology_mapper: Literal[MAPPERS] = "default"  # the placement plan's mappers
 
 
-class TrainDataConfig(_Section):
-    """Where the training samples come from and how long an epoch is (in steps)."""
+class _DataFile(_Section):
+    """Where samples come from: a prepared energon data set (``path``), or NeMo RL's local
+    data file (``dataset_name`` with ``data_path`` and its record keys), which the run
+    prepares itself (runtime/data/bring.py)."""
 
-    path: str
+    path: str | None = None
+    dataset_name: str | None = None
+    data_path: str | None = None
+    chat_key: str = "messages"
+    system_key: str | None = None
+    system_prompt: str | None = None
+    tool_key: str = "tools"
+    input_key: str = "input"
+    output_key: str = "output"
+
+    def _check_source(self, section: str) -> None:
+        if self.dataset_name is not None and self.dataset_name not in DATASET_NAMES:
+            raise ValueError(
+                f"data.{section}.dataset_name {self.dataset_name!r}: a hub data set cannot be "
+                "fetched here; bring it as a local JSONL file: dataset_name: openai_format "
+                f"(a 'messages' list a line) or ResponseDataset, with data_path: FILE"
+            )
+        if self.data_path is not None and self.dataset_name is None:
+            raise ValueError(
+                f"data.{section}.data_path needs data.{section}.dataset_name: openai_format "
+                "or ResponseDataset (how a line reads)"
+            )
+        if self.data_path is not None and self.path is not None:
+            raise ValueError(
+                f"data.{section}: path (a prepared data set) and data_path (a JSONL file) "
+                "name two sources; keep one"
+            )
+        if self.data_path is None and self.path is None:
+            given = "dataset_name without data_path" if self.dataset_name else "no source"
+            raise ValueError(
+                f"data.{section}: {given}; give data_path (a local JSONL file) or path (a "
+                "prepared energon data set)"
+            )
+
+    def shape(self) -> RecordShape:
+        """How a line of ``data_path`` reads."""
+        return RecordShape(
+            dataset_name=self.dataset_name or "openai_format",
+            chat_key=self.chat_key,
+            system_key=self.system_key,
+            system_prompt=self.system_prompt,
+            tool_key=self.tool_key,
+            input_key=self.input_key,
+            output_key=self.output_key,
+        )
+
+
+class TrainDataConfig(_DataFile):
+    """Where the training samples come from and how long an epoch is (in steps; by default
+    one pass over the train split)."""
+
     split: str = "train"
-    virtual_epoch_length: int = Field(..., ge=1)
+    virtual_epoch_length: int | None = Field(None, ge=1)
+    # NeMo RL's: the fraction of data_path's conversations held out as the validation split
+    split_validation_size: float = Field(0.0, ge=0.0, lt=1.0)
+    seed: int | None = None  # what splits them (default: sft.seed)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainDataConfig:
+        self._check_source("train")
+        if self.data_path is not None and self.split != "train":
+            raise ValueError(
+                f"data.train.split {self.split!r}: a data_path is prepared into a 'train' split "
+                "(and a 'val' one with split_validation_size)"
+            )
+        if self.split_validation_size and self.data_path is None:
+            raise ValueError(
+                "data.train.split_validation_size splits a data_path; a prepared data set "
+                "(path) has its own splits: name one in data.validation"
+            )
+        return self
 
 
-class ValidationDataConfig(_Section):
-    """Optional validation data (same prepared data set layout)."""
+class ValidationDataConfig(_DataFile):
+    """Optional validation data (a prepared data set's split, or a data file of its own)."""
 
-    path: str
     split: str = "val"
+
+    @model_validator(mode="after")
+    def _check(self) -> ValidationDataConfig:
+        self._check_source("validation")
+        return self
 
 
 class DataConfig(_Section):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from sft_runtime.runtime.data.record_shapes import RecordShape
 from sft_runtime.runtime.data.records import BadRecordError, parse_line
 from sft_runtime.runtime.errors import UserInputError
 
@@ -215,12 +216,14 @@ def prepare_jsonl(
     seed: int = 0,
     tokenizer: Path | str | None = None,
     chat_template: Path | str | None = None,
+    shape: RecordShape | None = None,
 ) -> PrepareResult:
     """Validate `input_path` line by line and write it as an energon data set in `out_dir`.
 
     With `tokenizer` (a Hugging Face tokenizer folder) and optionally `chat_template` (a
     Jinja file overriding its template), a line is also bad when that template refuses it
-    or supervises nothing in it (see `render_reason`).
+    or supervises nothing in it (see `render_reason`). With `shape`, lines are read in that
+    NeMo RL data set shape (`record_shapes`).
     Raises `BadRecordError` (file and line) on the first bad line unless `skip_bad` is set,
     in which case the skipped line numbers are returned.
     """
@@ -244,7 +247,7 @@ def prepare_jsonl(
     with _progress(total, label, min_bytes) as advance:
         for line_no, raw in _iter_lines(input_path, advance):
             try:
-                messages = parse_line(raw, source=source, line_no=line_no)
+                messages = parse_line(raw, source=source, line_no=line_no, shape=shape)
                 reason = None if renderer is None else render_reason(renderer, messages)
                 if reason is not None:
                     raise BadRecordError(source, line_no, reason)
@@ -267,7 +270,7 @@ def prepare_jsonl(
         with _progress(total, "writing") as advance:
             for line_no, raw in _iter_lines(input_path, advance):
                 if line_no in wanted:
-                    messages = parse_line(raw, source=source, line_no=line_no)
+                    messages = parse_line(raw, source=source, line_no=line_no, shape=shape)
                     split = "val" if line_no in val_lines else "train"
                     yield split, sample_key(line_no), messages
 

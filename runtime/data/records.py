@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from sft_runtime.runtime.data.record_shapes import RecordShape
 from sft_runtime.runtime.errors import UserInputError
 
 ROLES = ("system", "user", "assistant")
@@ -82,12 +83,19 @@ def normalize_record(record: Any) -> tuple[list[dict[str, str]] | None, str | No
     return None, "expected a 'messages' list or 'prompt'/'response' strings"
 
 
-def parse_line(raw: bytes | str, *, source: str, line_no: int) -> list[dict[str, str]]:
-    """Parse and validate one JSONL line; raise `BadRecordError` naming the line."""
+def parse_line(
+    raw: bytes | str, *, source: str, line_no: int, shape: RecordShape | None = None
+) -> list[dict[str, str]]:
+    """Parse and validate one JSONL line (read through ``shape``, a NeMo RL data set shape,
+    when given); raise `BadRecordError` naming the line."""
     try:
         record = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRecordError(source, line_no, f"invalid JSON ({exc})") from None
+    if shape is not None:
+        record, reason = shape.messages_record(record)
+        if reason is not None:
+            raise BadRecordError(source, line_no, reason)
     messages, reason = normalize_record(record)
     if reason is not None:
         raise BadRecordError(source, line_no, reason)

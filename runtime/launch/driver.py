@@ -97,6 +97,9 @@ def run_training(
     Raises `RunInterrupted` after a clean stop on a signal, and the original error when a
     step fails.
     """
+    from sft_runtime.runtime.data.bring import bring_data
+
+    config = bring_data(config)  # NeMo RL's data files, prepared before anything starts
     run_dir = Path(config.logger.log_dir or ".")
     with holding_run(run_dir):  # before the resume point is read: a second launch is refused
         attempt = next_attempt(run_dir)  # the controller opens the log later; label it now

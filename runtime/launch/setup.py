@@ -307,7 +307,13 @@ def check_model_covers(config: MasterConfig, tokenizer_vocab: int) -> None:
 
 
 def _check_data_path(config: MasterConfig) -> None:
-    path = Path(config.data.train.path)
+    train = config.data.train
+    if train.path is None or train.virtual_epoch_length is None:
+        raise UserInputError(
+            "data.train.data_path is not prepared yet: pass the config through "
+            "sft_runtime.sft_v2.bring_data(config) first, and its result to the controller"
+        )
+    path = Path(train.path)
     if not (path / ".nv-meta").is_dir():
         raise UserInputError(
             f"data.train.path {str(path)!r} is not a prepared energon data set (no .nv-meta); "

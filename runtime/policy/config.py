@@ -11,6 +11,7 @@ maps to exit code 2. The one check that needs the data-parallel size,
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -51,45 +52,127 @@ class ModelConfig(BaseModel):
         return self
 
 
+NEMO_RL_ADAMW: dict[str, Any] = {
+    "lr": 5.0e-6,
+    "weight_decay": 0.1,
+    "betas": [0.9, 0.98],
+    "eps": 1.0e-5,
+    "foreach": False,
+    "fused": False,
+}
+"""NeMo RL's ``policy.optimizer.kwargs`` in its base ``sft.yaml``."""
+
+_RENAMED_OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay")
+# schedulers that also cycle the momentum unless told not to (the schedule sets lr only)
+_MOMENTUM_CYCLERS = ("OneCycleLR", "CyclicLR")
+
+
 class OptimizerConfig(BaseModel):
-    """AdamW hyper-parameters."""
+    """NeMo RL's optimizer: any `torch.optim` class by dotted name, and its arguments.
+
+    With the default class (AdamW) a kwarg left out gets NeMo RL's value (`NEMO_RL_ADAMW`);
+    another class gets exactly the kwargs given, besides torch's own defaults.
+    """
 
     model_config = _Strict
 
-    lr: float = Field(1e-3, gt=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
+    name: str = "torch.optim.AdamW"
+    kwargs: dict[str, Any] = Field(default_factory=lambda: dict(NEMO_RL_ADAMW))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nemo_rl_shape(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for key in _RENAMED_OPTIMIZER_KEYS:
+            if key in data:
+                raise ValueError(
+                    f"policy.optimizer.{key}: NeMo RL's name is policy.optimizer.kwargs.{key} "
+                    "(the optimizer is policy.optimizer.name with its kwargs)"
+                )
+        if data.get("name", "torch.optim.AdamW") == "torch.optim.AdamW":
+            given = data.get("kwargs")
+            if isinstance(given, dict):
+                data = {**data, "kwargs": {**NEMO_RL_ADAMW, **given}}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> OptimizerConfig:
-        for b in self.betas:
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"policy.optimizer.betas={self.betas} must lie in [0, 1)")
+        _finite(self.kwargs, "policy.optimizer.kwargs")
+        lr = self.kwargs.get("lr")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"policy.optimizer.kwargs.lr: must be a positive number, got {lr!r}")
+        from sft_runtime.runtime.policy.schedule import check_optimizer
+
+        check_optimizer(self.name, self.kwargs)
         return self
 
+    @property
+    def lr(self) -> float:
+        """The base learning rate the schedule scales."""
+        return float(self.kwargs["lr"])
 
-class SchedulerConfig(BaseModel):
-    """Linear warmup from 0, then a constant LR or a cosine decay to ``min_lr``."""
 
-    model_config = _Strict
+def _finite(value: Any, key: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key}: Input should be a finite number, got {value}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _finite(v, f"{key}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _finite(v, f"{key}[{i}]")
 
-    kind: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    total_steps: int | None = Field(None, ge=1)
-    min_lr: float = Field(0.0, ge=0.0)
 
-    @model_validator(mode="after")
-    def _check(self) -> SchedulerConfig:
-        if self.kind == "cosine":
-            if self.total_steps is None:
-                raise ValueError("policy.scheduler.total_steps is required for kind 'cosine'")
-            if self.total_steps <= self.warmup_steps:
-                raise ValueError(
-                    f"policy.scheduler.total_steps={self.total_steps} must exceed "
-                    f"policy.scheduler.warmup_steps={self.warmup_steps}"
-                )
-        return self
+SchedulerSpec = list[dict[str, Any]] | dict[str, Any] | None
+
+
+def check_scheduler(spec: SchedulerSpec, base_lr: float) -> None:
+    """NeMo RL's ``policy.scheduler``: one ``{name, kwargs}``, or a list of them with one
+    ``{milestones: [...]}`` entry; ValueError naming the entry otherwise."""
+    if spec is None:
+        return
+    entries = [spec] if isinstance(spec, dict) else spec
+    if isinstance(spec, dict) and "kind" in spec:
+        raise ValueError(
+            "policy.scheduler.kind is not NeMo RL's shape: policy.scheduler is a list of "
+            "{name: torch.optim.lr_scheduler.CLASS, kwargs: {...}} entries chained by one "
+            "{milestones: [...]} entry (for example LinearLR for the warmup, then "
+            "CosineAnnealingLR, with milestones: [WARMUP_STEPS])"
+        )
+    schedulers, milestones = 0, []
+    for i, entry in enumerate(entries):
+        where = "policy.scheduler" if isinstance(spec, dict) else f"policy.scheduler[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} must be a mapping, got {entry!r}")
+        if "milestones" in entry:
+            if isinstance(spec, dict) or set(entry) != {"milestones"}:
+                raise ValueError(f"{where}: milestones stand alone in an entry of the list")
+            milestones.append(entry["milestones"])
+            continue
+        unknown = sorted(set(entry) - {"name", "kwargs"})
+        if "name" not in entry or unknown:
+            raise ValueError(f"{where} takes name and kwargs, got {sorted(entry)}")
+        kwargs = entry.get("kwargs") or {}
+        _finite(kwargs, f"{where}.kwargs")
+        if entry["name"].rpartition(".")[2] in _MOMENTUM_CYCLERS and kwargs.get(
+            "cycle_momentum", True
+        ):
+            raise ValueError(
+                f"{where}: the schedule sets the learning rate only; "
+                "set kwargs.cycle_momentum: false"
+            )
+        schedulers += 1
+    if len(milestones) > 1:
+        raise ValueError("policy.scheduler: one milestones entry, not several")
+    if schedulers > 1 and not milestones:
+        raise ValueError(
+            f"policy.scheduler chains {schedulers} schedulers: add a {{milestones: [...]}} "
+            f"entry with {schedulers - 1} step(s)"
+        )
+    from sft_runtime.runtime.policy.schedule import check_schedule
+
+    check_schedule(base_lr, spec)
 
 
 class ParallelConfig(BaseModel):
@@ -135,8 +218,9 @@ class PolicyConfig(BaseModel):
     train_global_batch_size: int = Field(8, ge=1)
     train_micro_batch_size: int = Field(2, ge=1)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
-    optimizer: OptimizerConfig = OptimizerConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    # NeMo RL's: None is a constant rate (see schedule.py)
+    scheduler: SchedulerSpec = None
     make_sequence_length_divisible_by: int = Field(1, ge=1)
     precision: Literal["float32", "bfloat16"] = "float32"
     parallel: ParallelConfig = ParallelConfig()
@@ -156,11 +240,7 @@ class PolicyConfig(BaseModel):
                 f"policy.train_global_batch_size={self.train_global_batch_size} must be a "
                 f"multiple of policy.train_micro_batch_size={self.train_micro_batch_size}"
             )
-        if self.scheduler.kind == "cosine" and self.scheduler.min_lr > self.optimizer.lr:
-            raise ValueError(
-                f"policy.scheduler.min_lr={self.scheduler.min_lr} exceeds "
-                f"policy.optimizer.lr={self.optimizer.lr}"
-            )
+        check_scheduler(self.scheduler, self.optimizer.lr)
         return self
 
 
@@ -239,5 +319,6 @@ def user_input_error(exc: ValidationError, prefix: str) -> UserInputError:
     for err in exc.errors():
         key = ".".join([prefix, *(str(p) for p in err["loc"])]) if err["loc"] else prefix
         msg = str(err["msg"]).removeprefix("Value error, ")
-        lines.append(f"{key}: {msg}")
+        # a check that names the key itself (a deeper one) is not prefixed twice
+        lines.append(msg if msg.startswith(key) else f"{key}: {msg}")
     return UserInputError("invalid config:\n  " + "\n  ".join(lines))

@@ -40,7 +40,7 @@ from sft_runtime.runtime.policy.loss import NLLLossFn, read_metrics
 from sft_runtime.runtime.policy.model import build_model, forward_logits
 from sft_runtime.runtime.policy.replica_state import ReplicaState
 from sft_runtime.runtime.policy.results import StepFinished, StepUndone
-from sft_runtime.runtime.policy.schedule import lr_at
+from sft_runtime.runtime.policy.schedule import LrSchedule, build_optimizer
 from sft_runtime.traces.context import TRACER
 from sft_runtime.traces.spans import ALLREDUCE_SPAN, OPTIMIZER_SPAN
 
@@ -89,13 +89,8 @@ class Replica(ReplicaState):
     def _make_optimizer(self) -> None:
         opt = self.policy.optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=opt.lr,
-            betas=opt.betas,
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-        )
+        self.optimizer = build_optimizer(self.params, opt.name, opt.kwargs)
+        self.schedule = LrSchedule(opt.lr, self.policy.scheduler)
 
     def shard(self, world_size: int) -> None:
         """FSDP2 over all DP ranks (`runtime.policy.fsdp`); needs the process group, so the
@@ -255,7 +250,7 @@ class Replica(ReplicaState):
         loss = global_nll / max(step.global_valid_tokens, 1)
         with TRACER.start_as_current_span(OPTIMIZER_SPAN):
             grad_norm = self._clip()
-            lr = lr_at(self.steps_done, self.policy.optimizer.lr, self.policy.scheduler)
+            lr = self.schedule.at(self.steps_done)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             # The loss and the norm are the same numbers on every rank (both come from the

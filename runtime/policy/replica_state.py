@@ -68,8 +68,8 @@ class ReplicaState:
         return self.policy.model.kind == "hf"
 
     def optimizer_state(self) -> dict[str, Any]:
-        """AdamW state plus the schedule's step count; loadable with ``weights_only=True``.
-        Sharded, the whole state is gathered (a collective)."""
+        """The optimizer's state plus the schedule's step count; loadable with
+        ``weights_only=True``. Sharded, the whole state is gathered (a collective)."""
         if self.sharded:
             optimizer = fsdp.full_optimizer_state(self.model, self.optimizer)
         else:
@@ -86,12 +86,14 @@ class ReplicaState:
         self.use_config_hyperparameters()
 
     def use_config_hyperparameters(self) -> None:
-        """The config's AdamW settings over those a loaded state carries: a resume the user
-        allowed to change them (runtime/resume/config_change.py) trains with the new
+        """The config's optimizer kwargs over those a loaded state carries: a resume the
+        user allowed to change them (runtime/resume/config_change.py) trains with the new
         values, as it does with a new lr (set every step); unchanged ones are the same."""
-        opt = self.policy.optimizer
+        given = {k: v for k, v in self.policy.optimizer.kwargs.items() if k != "lr"}
         for group in self.optimizer.param_groups:
-            group.update(betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+            for key, value in given.items():
+                if key in group:  # as the constructor stored it (betas as a tuple)
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         if state.get("format") != TRAINER_STATE_FORMAT:

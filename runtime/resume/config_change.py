@@ -160,6 +160,12 @@ def config_changes(
             if _same_input(old, new, old_ids.get(key), new_ids.get(key)):
                 continue
             old, new = _with_identity(old, old_ids.get(key)), _with_identity(new, new_ids.get(key))
+        elif isinstance(old, dict) and isinstance(new, dict):  # optimizer kwargs
+            for sub in sorted(old.keys() | new.keys()):
+                was, now = old.get(sub, MISSING), new.get(sub, MISSING)
+                if _plain(was) != _plain(now):
+                    out.append(Change(f"{key}.{sub}", KEY_KINDS[key], was, now))
+            continue
         elif _plain(old) == _plain(new):
             continue
         out.append(Change(key, KEY_KINDS[key], old, new))

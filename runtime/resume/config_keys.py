@@ -105,14 +105,9 @@ KEY_KINDS: dict[str, Kind] = {
     **_all(
         OPTIMIZER,
         "policy.max_grad_norm",
-        "policy.optimizer.lr",
-        "policy.optimizer.betas",
-        "policy.optimizer.eps",
-        "policy.optimizer.weight_decay",
-        "policy.scheduler.kind",
-        "policy.scheduler.warmup_steps",
-        "policy.scheduler.total_steps",
-        "policy.scheduler.min_lr",
+        "policy.optimizer.name",
+        "policy.optimizer.kwargs",  # compared key by key (policy.optimizer.kwargs.lr)
+        "policy.scheduler",
     ),
     **_all(
         FREE,
@@ -120,6 +115,23 @@ KEY_KINDS: dict[str, Kind] = {
         "policy.lora.lora_A_init",
         "policy.lora.use_triton",
         "data.skip_bad_samples",
+        # a data file is judged by the data set prepared from it (data.*.path, by content)
+        *(
+            f"data.{section}.{key}"
+            for section in ("train", "validation")
+            for key in (
+                "dataset_name",
+                "data_path",
+                "chat_key",
+                "system_key",
+                "system_prompt",
+                "tool_key",
+                "input_key",
+                "output_key",
+            )
+        ),
+        "data.train.split_validation_size",
+        "data.train.seed",
         "sft.max_num_steps",
         "sft.max_num_epochs",
         "sft.val_at_start",

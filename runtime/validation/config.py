@@ -73,11 +73,13 @@ def check_validation(config: MasterConfig) -> None:
     """The rules a validation setting must keep, each naming its key (ValueError)."""
     sft, data, ck = config.sft, config.data, config.checkpointing
     enabled = validation_enabled(config)
-    if enabled and data.validation is None:
+    held_out = data.train.data_path is not None and data.train.split_validation_size > 0
+    if enabled and data.validation is None and not held_out:
         key = next(k for k in ("val_period", "val_at_start", "val_at_end") if getattr(sft, k))
         raise ValueError(
             f"sft.{key} is set but data.validation is null: give data.validation.path (a "
-            "prepared data set; `prepare-data --val-fraction` writes a 'val' split)"
+            "prepared data set; `prepare-data --val-fraction` writes a 'val' split), "
+            "data.validation.data_path (a JSONL file) or data.train.split_validation_size"
         )
     if ck.metric_name and ck.metric_name.startswith(VAL_PREFIX) and not enabled:
         raise ValueError(
@@ -94,7 +96,8 @@ def check_validation(config: MasterConfig) -> None:
             f"sft.val_global_batch_size={gbs} must be a multiple of data-parallel size {world} "
             f"x sft.val_micro_batch_size={mbs}"
         )
-    _check_split(data.validation.path, data.validation.split)
+    if data.validation is not None and data.validation.path is not None:
+        _check_split(data.validation.path, data.validation.split)  # a data_path: prepared later
 
 
 def _check_split(path: str, split: str) -> None:

@@ -66,7 +66,7 @@ def test_a_diverged_step_stops_the_run_and_a_smaller_lr_resumes_it_exactly(make_
     first = _train(runner)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
 
-    _set(runner, **{"sft.max_num_steps": STEPS, "policy.optimizer.lr": float(HUGE_LR)})
+    _set(runner, **{"sft.max_num_steps": STEPS, "policy.optimizer.kwargs.lr": float(HUGE_LR)})
     diverged = _train(runner, "--allow-config-change")
     assert diverged.returncode == 1, diverged.stdout[-3000:] + diverged.stderr[-3000:]
     assert "Traceback" not in diverged.stdout + diverged.stderr
@@ -86,7 +86,7 @@ def test_a_diverged_step_stops_the_run_and_a_smaller_lr_resumes_it_exactly(make_
     assert max(r.data["step"] for r in steps) == 4  # step 5 never counted
     _tools_read(runner)
 
-    _set(runner, **{"policy.optimizer.lr": 3e-3})  # the config's own rate again
+    _set(runner, **{"policy.optimizer.kwargs.lr": 3e-3})  # the config's own rate again
     resumed = _train(runner)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from step 3" in resumed.stdout, resumed.stdout[-2000:]
@@ -98,7 +98,7 @@ def test_a_diverged_step_stops_the_run_and_a_smaller_lr_resumes_it_exactly(make_
 
 
 def test_skipped_non_finite_steps_are_committed_counted_and_readable(make_runner):
-    runner = make_runner("skip", overrides=(f"policy.optimizer.lr={HUGE_LR}",))
+    runner = make_runner("skip", overrides=(f"policy.optimizer.kwargs.lr={HUGE_LR}",))
     _set(runner, **{"sft.skip_nonfinite_steps": True})
     done = _train(runner)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

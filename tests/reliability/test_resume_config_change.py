@@ -169,9 +169,10 @@ def test_after_a_divergence_a_smaller_lr_resumes_without_the_flag(
     with open_log(run_dir) as log:  # an attempt that resumed from 3 and diverged at once
         log.append(RunStarted(placement_hash=placement, resumed_from_step=3, max_steps=7))
         log.append(RunStopped(reason="diverged", last_step=3, error="step 4 diverged"))
-    rc, out = train(run_dir, demo_data, capsys, "policy.optimizer.lr=0.001")
+    rc, out = train(run_dir, demo_data, capsys, "policy.optimizer.kwargs.lr=0.001")
     assert rc == 0, out
-    assert _run_started(run_dir)[-1]["config_changes"] == {"policy.optimizer.lr": [0.003, 0.001]}
+    changes = _run_started(run_dir)[-1]["config_changes"]
+    assert changes == {"policy.optimizer.kwargs.lr": [0.003, 0.001]}
     # other keys still need the flag after a divergence
     run_dir = rewind_copy(reference, tmp_path / "run2", 3)
     with open_log(run_dir) as log:
@@ -187,8 +188,8 @@ def test_without_the_divergence_an_lr_change_needs_the_flag(
     reference, demo_data, tmp_path, capsys, no_ray
 ):
     run_dir = rewind_copy(reference, tmp_path / "run", 3)
-    line = _refused(run_dir, demo_data, capsys, "policy.optimizer.lr=0.001")
-    assert "policy.optimizer.lr: 0.003 -> 0.001" in line
+    line = _refused(run_dir, demo_data, capsys, "policy.optimizer.kwargs.lr=0.001")
+    assert "policy.optimizer.kwargs.lr: 0.003 -> 0.001" in line
 
 
 def test_a_resume_without_optimizer_state_says_adamw_starts_fresh(demo_data, tmp_path, capsys):

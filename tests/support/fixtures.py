@@ -184,8 +184,18 @@ def policy_cfg():
         train_global_batch_size=2 * sources.ROWS_PER_RANK,
         train_micro_batch_size=2,
         max_grad_norm=1.0,
-        optimizer={"lr": 3e-3, "weight_decay": 0.01},
-        scheduler={"kind": "cosine", "warmup_steps": 3, "total_steps": 10, "min_lr": 1e-4},
+        optimizer={"kwargs": {"lr": 3e-3, "weight_decay": 0.01}},
+        scheduler=[  # NeMo RL's shape: a warmup, then a cosine decay
+            {
+                "name": "torch.optim.lr_scheduler.LinearLR",
+                "kwargs": {"start_factor": 1 / 3, "total_iters": 2},
+            },
+            {
+                "name": "torch.optim.lr_scheduler.CosineAnnealingLR",
+                "kwargs": {"T_max": 7, "eta_min": 1e-4},
+            },
+            {"milestones": [3]},
+        ],
         make_sequence_length_divisible_by=8,
     )
 
@@ -313,7 +323,7 @@ def hf_overrides(folder: Path) -> tuple[str, ...]:
         f"policy.model.hf_path={folder}",
         "data.max_input_seq_length=128",
         "policy.sequence_packing.enabled=true",
-        "policy.optimizer.lr=1e-3",
+        "policy.optimizer.kwargs.lr=1e-3",
         "checkpointing.save_period=2",
     )
 

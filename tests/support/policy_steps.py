@@ -4,6 +4,7 @@ the single-process ground truth both the data-parallel and the FSDP2 groups are 
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any
 
 import torch
@@ -11,7 +12,6 @@ import torch
 from sft_runtime.runtime.policy.loss import NLLLossFn
 from sft_runtime.runtime.policy.model import TinyTransformer
 from sft_runtime.runtime.policy.results import StepFinished, StepStarted, StepTrained
-from sft_runtime.runtime.policy.schedule import lr_at
 from tests.support import sources
 
 
@@ -43,19 +43,34 @@ def start_step(group: Any, loss_fn: Any = None) -> list[StepStarted]:
     return group.wait(group.send_start(loss_fn or NLLLossFn(), False))
 
 
+def _named(dotted: str) -> Any:
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def nemo_rl_optimizer(params: Any, policy: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer and a live LR scheduler built from the config as NeMo RL's worker
+    builds them, stepped after each optimizer step (a constant rate without a scheduler):
+    the runtime, which recomputes each rate from the step count, is held to this."""
+    opt = _named(policy.optimizer.name)(params, **policy.optimizer.kwargs)
+    spec = policy.scheduler
+    if spec is None:
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    if isinstance(spec, dict):
+        return opt, _named(spec["name"])(opt, **spec.get("kwargs", {}))
+    chain = [_named(e["name"])(opt, **e.get("kwargs", {})) for e in spec if "name" in e]
+    milestones = [e["milestones"] for e in spec if "milestones" in e]
+    if not milestones:
+        return opt, chain[0]
+    return opt, torch.optim.lr_scheduler.SequentialLR(opt, chain, milestones[0])
+
+
 def reference_losses(policy, steps: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """A single process trained on the stacked global batches (the ground truth)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = TinyTransformer(policy.model)
-    opt_cfg = policy.optimizer
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=opt_cfg.lr,
-        betas=opt_cfg.betas,
-        eps=opt_cfg.eps,
-        weight_decay=opt_cfg.weight_decay,
-    )
+    opt, schedule = nemo_rl_optimizer(model.parameters(), policy)
     fn, losses = NLLLossFn(), []
     for i in range(steps):
         batch = sources.global_batch(
@@ -74,9 +89,8 @@ def reference_losses(policy, steps: int, world: int) -> tuple[list[float], dict[
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), policy.max_grad_norm)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(i, opt_cfg.lr, policy.scheduler)
         opt.step()
+        schedule.step()
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -21,7 +21,7 @@ def small_raw(run_dir: Path, data_dir: Path, steps: int = 6) -> dict[str, Any]:
             },
             "train_global_batch_size": 8,
             "train_micro_batch_size": 2,
-            "optimizer": {"lr": 3e-3},
+            "optimizer": {"kwargs": {"lr": 3e-3}},
             "make_sequence_length_divisible_by": 8,
         },
         "data": {

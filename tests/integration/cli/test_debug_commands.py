@@ -185,7 +185,7 @@ def test_reproduce_an_unchanged_run_is_identical_and_leaves_the_run_untouched(
 
 def test_reproduce_finds_the_learning_rate_changed_after_the_checkpoint(run, tmp_path, capsys):
     scratch = tmp_path / "scratch"
-    args = ["reproduce", str(run), "--step", "5", "policy.optimizer.lr=0.001"]
+    args = ["reproduce", str(run), "--step", "5", "policy.optimizer.kwargs.lr=0.001"]
     assert main([*args, "--scratch", str(scratch)]) == 1
     out = capsys.readouterr().out
     assert "first divergent step: 4: lr 0.003 -> 0.001" in out

@@ -108,10 +108,8 @@ def _peft_loop_losses(run_dir: Path, folder: Path) -> list[float]:
     model = get_peft_model(base, peft_config(policy.lora, targets["target_modules"]))
     init_adapters(model.base_model.model, policy.lora, seed=config.sft.seed)  # the run's start
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = policy.optimizer
-    optimizer = torch.optim.AdamW(
-        params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
-    )
+    assert policy.optimizer.name == "torch.optim.AdamW" and policy.scheduler is None
+    optimizer = torch.optim.AdamW(params, **policy.optimizer.kwargs)
     model.train()
     losses = []
     for samples in _run_samples(run_dir, config):

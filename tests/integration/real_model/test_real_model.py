@@ -98,7 +98,7 @@ def _overrides(model: Path) -> tuple[str, ...]:
         "policy.precision=bfloat16",
         "policy.lora.enabled=true",
         "policy.lora.dim=16",
-        "policy.optimizer.lr=1e-3",
+        "policy.optimizer.kwargs.lr=1e-3",
         "data.max_input_seq_length=128",
         "checkpointing.save_period=2",
         "cluster.call_timeout_s=600",  # loading 135M parameters on a busy machine

@@ -22,7 +22,10 @@ def _run(root, name, attempts, config):
 
 
 def _runs(tmp_path):
-    config = {"sft": {"seed": 7, "max_num_steps": 6}, "policy": {"optimizer": {"lr": 0.001}}}
+    config = {
+        "sft": {"seed": 7, "max_num_steps": 6},
+        "policy": {"optimizer": {"kwargs": {"lr": 0.001}}},
+    }
     a = _run(tmp_path, "a", [Attempt(until=6)], config)
     changed = {**config, "sft": {"seed": 8, "max_num_steps": 6}, "logger": {"jsonl": False}}
     # run B resumes at 3 with other samples from step 4 and another loss at step 5

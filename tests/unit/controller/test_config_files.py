@@ -39,7 +39,7 @@ def chain(tmp_path) -> Path:
             "logger": {"log_dir": "results/sft_${sft.seed}"},
         },
     )
-    _write(tmp_path / "configs" / "extra.yaml", {"policy": {"optimizer": {"lr": 1e-4}}})
+    _write(tmp_path / "configs" / "extra.yaml", {"policy": {"optimizer": {"kwargs": {"lr": 1e-4}}}})
     return _write(
         tmp_path / "configs" / "my.yaml",
         {"defaults": ["recipes/llm/recipe.yaml", "extra.yaml"], "sft": {"max_num_steps": 5}},
@@ -63,9 +63,11 @@ def test_overrides_apply_before_interpolation(chain):
     config = load_config(chain, ["++sft.seed=3", "policy.train_micro_batch_size=1"])
     assert config.logger.log_dir == "results/sft_3"
     assert config.policy.train_global_batch_size == 4
-    config = load_config(chain, ["~policy.optimizer.lr", "+policy.optimizer.eps=1e-6"])
+    config = load_config(
+        chain, ["~policy.optimizer.kwargs.lr", "+policy.optimizer.kwargs.amsgrad=true"]
+    )
     assert config.policy.optimizer.lr == type(config.policy.optimizer)().lr
-    assert config.policy.optimizer.eps == 1e-6
+    assert config.policy.optimizer.kwargs["amsgrad"] is True
 
 
 @pytest.mark.parametrize(
@@ -113,3 +115,20 @@ def test_the_config_comes_as_the_first_argument_or_as_config():
         _config_and_overrides(_args("b.yaml", "a.yaml"))
     with pytest.raises(UserInputError, match="a config file is required"):
         _config_and_overrides(_args(None, None))
+
+
+def test_an_exponent_without_a_dot_is_a_number_as_omegaconf_reads_it(tmp_path):
+    """NeMo RL's sft.yaml says `eps: 1e-5`; YAML 1.1 (PyYAML) would read a string there."""
+    base = _write(tmp_path / "a.yaml", small_raw(Path("runs/x"), tmp_path / "data"))
+    _write(
+        tmp_path / "b.yaml",
+        "defaults: a.yaml\npolicy:\n  optimizer:\n    kwargs:\n      eps: 1e-5\n",
+    )
+    config = load_config(tmp_path / "b.yaml", ["policy.optimizer.kwargs.lr=2e-5"])
+    assert config.policy.optimizer.kwargs["eps"] == 1e-5
+    assert config.policy.optimizer.kwargs["lr"] == 2e-5
+    config = load_config(base, ["policy.optimizer.kwargs.weight_decay=1E-2"])
+    assert config.policy.optimizer.kwargs["weight_decay"] == 0.01
+    # a string stays a string where it is quoted
+    with pytest.raises(UserInputError, match="kwargs.lr: must be a positive number, got '1e-3'"):
+        load_config(base, ["policy.optimizer.kwargs.lr='1e-3'"])

@@ -102,7 +102,7 @@ def test_unknown_keys_name_the_path_and_the_nearest_valid_name():
 def test_yaml_file_overrides_and_errors(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(_raw()))
-    config = load_config(path, ["sft.max_num_steps=20", "policy.optimizer.lr=0.5"])
+    config = load_config(path, ["sft.max_num_steps=20", "policy.optimizer.kwargs.lr=0.5"])
     assert config.sft.max_num_steps == 20 and config.policy.optimizer.lr == 0.5
     with pytest.raises(UserInputError, match="expected dotted.key=value"):
         load_config(path, ["sft.max_num_steps"])
@@ -190,7 +190,8 @@ def test_a_template_alone_under_the_own_model_is_still_refused():
 
 
 @pytest.mark.parametrize(
-    "key", ["policy.optimizer.lr", "policy.max_grad_norm", "policy.optimizer.weight_decay"]
+    "key",
+    ["policy.optimizer.kwargs.lr", "policy.max_grad_norm", "policy.optimizer.kwargs.weight_decay"],
 )
 @pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
 def test_a_non_finite_number_is_refused_naming_its_key(tmp_path, key, value):

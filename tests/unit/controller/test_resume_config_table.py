@@ -63,8 +63,9 @@ def test_every_key_of_the_config_is_classified_once():
         ("data.energon.shuffle_buffer_size", COMPUTE),
         ("sft.seed", COMPUTE),
         ("cluster.num_threads_per_worker", COMPUTE),
-        ("policy.optimizer.lr", OPTIMIZER),
-        ("policy.scheduler.warmup_steps", OPTIMIZER),
+        ("policy.optimizer.name", OPTIMIZER),
+        ("policy.optimizer.kwargs", OPTIMIZER),
+        ("policy.scheduler", OPTIMIZER),
         ("policy.max_grad_norm", OPTIMIZER),
         ("sft.max_num_steps", FREE),
         ("checkpointing.save_period", FREE),
@@ -195,15 +196,15 @@ def test_a_shape_change_is_refused_even_when_allowed(tmp_path, override):
 def test_after_a_divergence_optimizer_keys_change_without_the_flag(tmp_path):
     data = _data_set(tmp_path / "data")
     ckpt = _checkpoint(tmp_path, small_config(tmp_path / "run", data))
-    smaller = small_config(tmp_path / "run", data, 6, "policy.optimizer.lr=0.001")
-    with pytest.raises(UserInputError, match="policy.optimizer.lr: 0.003 -> 0.001"):
+    smaller = small_config(tmp_path / "run", data, 6, "policy.optimizer.kwargs.lr=0.001")
+    with pytest.raises(UserInputError, match="policy.optimizer.kwargs.lr: 0.003 -> 0.001"):
         check_resume_config(smaller, ckpt)
     record = check_resume_config(smaller, ckpt, diverged=True)
-    assert record.changes == {"policy.optimizer.lr": [0.003, 0.001]}
-    both = small_config(tmp_path / "run", data, 6, "policy.optimizer.lr=0.001", "sft.seed=1")
+    assert record.changes == {"policy.optimizer.kwargs.lr": [0.003, 0.001]}
+    both = small_config(tmp_path / "run", data, 6, "policy.optimizer.kwargs.lr=0.001", "sft.seed=1")
     with pytest.raises(UserInputError, match="sft.seed: 7 -> 1") as info:
         check_resume_config(both, ckpt, diverged=True)
-    assert "policy.optimizer.lr" not in str(info.value)
+    assert "policy.optimizer.kwargs.lr" not in str(info.value)
 
 
 def test_a_fresh_optimizer_is_said(tmp_path):

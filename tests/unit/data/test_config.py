@@ -28,8 +28,13 @@ def test_defaults_and_unknown_keys():
     assert data.energon.num_workers == 0 and data.energon.packing_buffer_size is None
     with pytest.raises(ValidationError, match="shuffle_bufer_size"):
         DataConfig.model_validate({**SECTION, "energon": {"shuffle_bufer_size": 64}})
-    with pytest.raises(ValidationError, match="virtual_epoch_length"):
-        DataConfig.model_validate({**SECTION, "train": {"path": "/x"}})
+    # no epoch length: one pass over the train split, counted once the data is at hand
+    assert (
+        DataConfig.model_validate({**SECTION, "train": {"path": "/x"}}).train.virtual_epoch_length
+        is None
+    )
+    with pytest.raises(ValidationError, match="no source; give data_path"):
+        DataConfig.model_validate({**SECTION, "train": {"virtual_epoch_length": 3}})
 
 
 def test_spec_splits_the_global_batch_and_is_picklable():

@@ -22,13 +22,13 @@ def _attempt(run_dir: Path, first: int, last: int, *, resume: int | None, salt: 
 
 def test_steps_of_another_config_are_not_compared(tmp_path):
     _attempt(tmp_path, 1, 4, resume=None, salt="", config_digest="sha256:a")
-    changed = {"policy.optimizer.lr": [0.003, 0.001]}
+    changed = {"policy.optimizer.kwargs.lr": [0.003, 0.001]}
     _attempt(tmp_path, 3, 4, resume=2, salt="x", config_digest="sha256:b", config_changes=changed)
     assert compare_reexecutions(tmp_path) == (0, [])  # steps 3, 4 ran under another lr
     att = history(read_log(tmp_path)).attempts[1]
     assert att.config_changes == changed and att.config_digest == "sha256:b"
     (note,) = config_notes(att)
-    assert "policy.optimizer.lr: 0.003 -> 0.001" in note and "resumed from step 2" in note
+    assert "policy.optimizer.kwargs.lr: 0.003 -> 0.001" in note and "resumed from step 2" in note
 
 
 def test_steps_of_the_same_config_are_still_compared(tmp_path):

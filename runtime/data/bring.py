@@ -1,0 +1,177 @@
+"""Data as NeMo RL users bring it: a JSONL file the run prepares into an energon data set.
+
+``data.train`` (and ``data.validation``) may name NeMo RL's ``dataset_name``
+(``openai_format`` or ``ResponseDataset``) and a local ``data_path`` instead of a prepared
+energon data set. Before Ray starts, the file is validated and written as a data set
+(`prepare.prepare_jsonl`) into the user's cache, in a folder named by what decides its
+content: the file's bytes, the record shape's keys, ``split_validation_size`` and the seed
+that splits it. A second run (or a resume) finds the folder complete and takes it as is; a
+preparation cut short leaves only a ``.partial-`` folder, never one taken for complete.
+The run then trains on the prepared folder exactly as on a ``data.train.path`` (the config
+it runs with names the folder instead of the file); its checkpoints record that folder, and
+a resume judges it by content as it judges any data set.
+
+``split_validation_size`` (NeMo RL's) holds that fraction of the conversations out as the
+``val`` split, which becomes ``data.validation`` when no validation data is named. An epoch
+is one pass over the train split (NeMo RL's ``len(dataloader)``: whole global batches)
+unless ``data.train.virtual_epoch_length`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sft_runtime.runtime.data.config import ValidationDataConfig
+from sft_runtime.runtime.data.integrity import split_samples
+from sft_runtime.runtime.data.record_shapes import RecordShape
+from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.process.user_cache import user_cache_dir
+
+if TYPE_CHECKING:
+    from sft_runtime.runtime.config import MasterConfig
+
+PREPARE_FORMAT = 1  # a change to how a file is prepared makes new folders, never reuses old
+MARKER = "sft-runtime-prepared.json"
+_PARTIAL = ".partial-"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Prepared:
+    path: Path
+    num_train: int
+    num_val: int
+
+
+def default_data_cache() -> Path:
+    return user_cache_dir() / "data"
+
+
+def prepared_data_set(
+    data_path: Path | str,
+    shape: RecordShape,
+    *,
+    val_fraction: float = 0.0,
+    seed: int = 0,
+    cache: Path | None = None,
+    key: str = "data.train.data_path",
+) -> Prepared:
+    """The energon data set of ``data_path`` read in ``shape``: from the cache, or prepared
+    into it now (a line on stderr says which; bad lines are errors naming the line)."""
+    from sft_runtime.runtime.data.prepare import prepare_jsonl
+
+    source = Path(data_path).expanduser()
+    if not source.is_file():
+        raise UserInputError(f"{key} {str(data_path)!r}: no such file")
+    digest = _digest(source, shape, val_fraction, seed)
+    root = cache or default_data_cache()
+    folder = root / f"{source.stem}-{digest[:16]}"
+    done = _read_marker(folder, digest)
+    if done is not None:
+        return done
+    print(f"preparing {source} ({key}) as an energon data set in {folder}", file=sys.stderr)
+    root.mkdir(parents=True, exist_ok=True)
+    partial = root / f"{_PARTIAL}{folder.name}-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        result = prepare_jsonl(source, partial, val_fraction=val_fraction, seed=seed, shape=shape)
+        record = {"digest": digest, "num_train": result.num_train, "num_val": result.num_val}
+        (partial / MARKER).write_text(json.dumps(record))
+        try:
+            partial.rename(folder)
+        except OSError:  # another run prepared it meanwhile: the same content, keep theirs
+            if _read_marker(folder, digest) is None:
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    prepared = _read_marker(folder, digest)
+    assert prepared is not None
+    return prepared
+
+
+def _digest(source: Path, shape: RecordShape, val_fraction: float, seed: int) -> str:
+    h = hashlib.sha256()
+    with source.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    settings = {"format": PREPARE_FORMAT, "shape": asdict(shape), "val": val_fraction}
+    settings["seed"] = seed if val_fraction else None  # the seed only splits
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _read_marker(folder: Path, digest: str) -> Prepared | None:
+    try:
+        record = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("digest") != digest:
+        return None
+    return Prepared(folder, int(record["num_train"]), int(record["num_val"]))
+
+
+def bring_data(config: MasterConfig, *, cache: Path | None = None) -> MasterConfig:
+    """``config`` with every NeMo RL data file prepared and named by its energon folder,
+    the held-out split as validation, and the epoch length resolved (see module doc)."""
+    data = config.data
+    train, validation = data.train, data.validation
+    updates: dict[str, Any] = {}
+    if train.data_path is not None:
+        got = prepared_data_set(
+            train.data_path,
+            train.shape(),
+            val_fraction=train.split_validation_size,
+            seed=config.sft.seed if train.seed is None else train.seed,
+            cache=cache,
+        )
+        train = train.model_copy(update=_named_by(got))
+        if validation is None and got.num_val:
+            validation = ValidationDataConfig(path=str(got.path), split="val")
+    if validation is not None and validation.data_path is not None:
+        got = prepared_data_set(
+            validation.data_path,
+            validation.shape(),
+            cache=cache,
+            key="data.validation.data_path",
+        )
+        validation = validation.model_copy(update={**_named_by(got), "split": "train"})
+    if train.virtual_epoch_length is None:
+        train = train.model_copy(update={"virtual_epoch_length": _one_pass(config, train)})
+    updates = {"train": train, "validation": validation}
+    return config.model_copy(update={"data": data.model_copy(update=updates)})
+
+
+def _named_by(prepared: Prepared) -> dict[str, Any]:
+    """A data section's keys once its file is prepared: the folder is the source (what a
+    checkpoint records and a resume compares by content), so bringing is done once."""
+    return {"path": str(prepared.path), "dataset_name": None, "data_path": None}
+
+
+def _one_pass(config: MasterConfig, train: Any) -> int:
+    """Steps in one pass over the train split: its conversations in whole global batches."""
+    if config.policy.sequence_packing.enabled:
+        raise UserInputError(
+            "data.train.virtual_epoch_length is needed with sequence packing: a step then "
+            "trains on as many conversations as its packs hold, so one pass is not "
+            "samples / policy.train_global_batch_size"
+        )
+    count = split_samples(Path(train.path), train.split)
+    if count is None:
+        raise UserInputError(
+            f"data.train.path {train.path!r}: cannot count the {train.split!r} split's samples "
+            "(no .nv-meta/.info.json): set data.train.virtual_epoch_length"
+        )
+    batch = config.policy.train_global_batch_size
+    if count < batch:
+        raise UserInputError(
+            f"data.train: the {train.split!r} split has {count} conversations, fewer than one "
+            f"global batch (policy.train_global_batch_size={batch})"
+        )
+    return count // batch
