@@ -122,7 +122,6 @@ def raw_config(
     }
     if shape["packing"]:
         raw["policy"]["sequence_packing"] = {"enabled": True, "algorithm": "first_fit_decreasing"}
-        raw["data"]["energon"]["packing_buffer_size"] = 4 * shape["global_batch"]
     return raw
 
 

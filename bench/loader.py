@@ -27,7 +27,7 @@ from sft_runtime.runtime.data.loader import ColocatedLoader  # noqa: E402
 
 BATCH = 32
 SEQ = 256
-PACKING = {"packing_algorithm": "first_fit_decreasing", "packing_buffer_size": 128}
+PACKING = {"packing_algorithm": "first_fit_decreasing"}
 SAMPLES = pick(2048, 512)
 BATCHES = pick(48, 3)
 ROUNDS = pick(5, 1)
@@ -67,7 +67,6 @@ def _plain_energon(spec: LoaderSpec, batches: int) -> float:
         batch_size=spec.batch_size,
         shuffle_buffer_size=spec.shuffle_buffer_size,
         max_samples_per_sequence=None,
-        packing_buffer_size=spec.packing_buffer_size,
         task_encoder=encoder,
     )
     loader = get_savable_loader(dataset, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None)

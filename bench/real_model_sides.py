@@ -104,7 +104,6 @@ def runtime_config(setup: Setup, run_dir: Path) -> dict[str, Any]:
         policy["lora"] = {"enabled": True, **setup.lora}
     if setup.packed:
         policy["sequence_packing"] = {"enabled": True, "algorithm": "first_fit_decreasing"}
-        energon["packing_buffer_size"] = 8 * setup.rows
     return {
         "policy": policy,
         "data": {

@@ -104,11 +104,6 @@ class MasterConfig(BaseModel):
         data, policy = self.data, self.policy
         check_validation(self)
         packing = policy.sequence_packing
-        if data.energon.packing_buffer_size is not None and not packing.enabled:
-            raise ValueError(
-                "data.energon.packing_buffer_size is set but policy.sequence_packing.enabled is "
-                "false: enable packing or remove the buffer size"
-            )
         model = policy.model
         if packing.enabled and model.kind == "hf" and model.attn_implementation == "eager":
             raise ValueError(

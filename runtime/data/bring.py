@@ -156,12 +156,6 @@ def _named_by(prepared: Prepared) -> dict[str, Any]:
 
 def _one_pass(config: MasterConfig, train: Any) -> int:
     """Steps in one pass over the train split: its conversations in whole global batches."""
-    if config.policy.sequence_packing.enabled:
-        raise UserInputError(
-            "data.train.virtual_epoch_length is needed with sequence packing: a step then "
-            "trains on as many conversations as its packs hold, so one pass is not "
-            "samples / policy.train_global_batch_size"
-        )
     count = split_samples(Path(train.path), train.split)
     if count is None:
         raise UserInputError(

@@ -16,7 +16,7 @@ data set exactly once.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -44,8 +44,18 @@ class EnergonConfig(_Section):
 
     num_workers: int = Field(0, ge=0)
     shuffle_buffer_size: int | None = Field(..., ge=1)
-    packing_buffer_size: int | None = Field(None, ge=1)
     topology_mapper: Literal[MAPPERS] = "default"  # the placement plan's mappers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_packing_buffer(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "packing_buffer_size" in data:
+            raise ValueError(
+                "data.energon.packing_buffer_size: packing lays out each step's own "
+                "conversations (policy.train_global_batch_size counts conversations, as in "
+                "NeMo RL), so there is no packing buffer; remove the key"
+            )
+        return data
 
 
 class _DataFile(_Section):
@@ -175,7 +185,6 @@ class LoaderSpec(BaseModel):
     max_input_seq_length: int = Field(..., ge=2)
     pad_multiple: int = Field(1, ge=1)
     packing_algorithm: PackingAlgorithm | None = None
-    packing_buffer_size: int | None = Field(None, ge=1)
     max_sequences_per_bin: int | None = Field(None, ge=1)
     balanced_knapsack_delta: int = Field(0, ge=0)
     only_unmask_final: bool = False
@@ -183,12 +192,6 @@ class LoaderSpec(BaseModel):
     tokenizer: TokenizerSpec = TokenizerSpec()
     overlong_samples: OverlongPolicy = "mask"
     skip_bad_samples: bool = False
-
-    @model_validator(mode="after")
-    def _packing_is_whole(self) -> LoaderSpec:
-        if (self.packing_algorithm is None) != (self.packing_buffer_size is None):
-            raise ValueError("packing_algorithm and packing_buffer_size go together")
-        return self
 
     @property
     def packing(self) -> bool:
@@ -208,9 +211,8 @@ def build_loader_spec(
 ) -> LoaderSpec:
     """Resolve the config sections into the spec every logical rank's loader is built from.
 
-    The global batch is split evenly over the logical DP ranks (rows per rank; with packing a
-    row is a pack). Packing is on when ``sequence_packing.enabled``; its sample buffer is
-    ``data.energon.packing_buffer_size`` or, when unset, eight rows' worth per rank.
+    The global batch, in conversations, is split evenly over the logical DP ranks; with
+    ``sequence_packing.enabled`` each rank packs its conversations of a step into rows.
     """
     if logical_world_size < 1:
         raise UserInputError(f"logical DP world size must be >= 1, got {logical_world_size}")
@@ -221,16 +223,7 @@ def build_loader_spec(
         )
     packing = packing or SequencePackingConfig()
     per_rank = global_batch_size // logical_world_size
-    buffer = data.energon.packing_buffer_size
-    if packing.enabled:
-        algorithm = packing.algorithm
-        buffer = buffer or 8 * per_rank
-    else:
-        if buffer is not None:
-            raise UserInputError(
-                "data.energon.packing_buffer_size is set but sequence_packing.enabled is false"
-            )
-        algorithm = None
+    algorithm = packing.algorithm if packing.enabled else None
     assert algorithm is None or algorithm in PACKING_ALGORITHMS
     return LoaderSpec(
         data_path=data.train.path,
@@ -242,7 +235,6 @@ def build_loader_spec(
         max_input_seq_length=data.max_input_seq_length,
         pad_multiple=make_sequence_length_divisible_by,
         packing_algorithm=algorithm,
-        packing_buffer_size=buffer,
         max_sequences_per_bin=packing.max_sequences_per_bin,
         balanced_knapsack_delta=packing.balanced_knapsack_delta,
         only_unmask_final=only_unmask_final,

@@ -124,7 +124,6 @@ class ColocatedLoader:
             "logical_world_size": self.logical_world_size,
             "placement_hash": self.placement_hash,
             "packing_algorithm": spec.packing_algorithm,
-            "packing_buffer_size": spec.packing_buffer_size,
             "max_sequences_per_bin": spec.max_sequences_per_bin,
             "max_input_seq_length": spec.max_input_seq_length,
             "pad_multiple": spec.pad_multiple,
@@ -211,7 +210,6 @@ class ColocatedLoader:
                 max_samples_per_sequence=None,
                 # Endless stream; our virtual epochs are counted in steps (see config.py).
                 virtual_epoch_length=0,
-                packing_buffer_size=spec.packing_buffer_size,
                 task_encoder=task_encoder,
             )
         except Exception as exc:  # noqa: BLE001 - energon's checks are asserts and ValueErrors

@@ -3,10 +3,9 @@
 Pure functions over sample lengths, so every algorithm is tested without energon. A plan is a
 list of bins, each a list of indexes into the input; every index appears exactly once, no bin
 holds more than `capacity` tokens or more than `max_per_bin` samples. Randomness
-(``first_fit_shuffle``'s order, and `deal`) comes from the `random.Random` the caller passes
-in, which the task encoder seeds from energon's restorable per-worker state. Every other
-algorithm is deterministic (ties between equal lengths go to the lower index), so a resumed
-run plans the same rows.
+(``first_fit_shuffle``'s order) comes from the `random.Random` the caller passes in, which
+the task encoder seeds from the step's source ids. Every other algorithm is deterministic
+(ties between equal lengths go to the lower index), so a resumed run plans the same rows.
 
 The names follow the NeMo RL reference, so its configs carry over unchanged.
 """
@@ -222,17 +221,6 @@ def _balanced_greedy_knapsack(
         room[b] -= lengths[index]
     bins = [b for b in bins if b]
     return bins if len(bins) <= len(greedy) else greedy
-
-
-def deal(bins: list[list[int]], rng: random.Random) -> list[list[int]]:
-    """The bins in the order they become rows: shuffled. The decreasing algorithms open
-    their bins longest sample first, so in plan order a buffer's first rows hold a few long
-    conversations and its last ones many short ones, and consecutive steps would cycle
-    between the two (a saw-toothed loss). Dealt, each step's rows are a fair draw of the
-    buffer whatever their lengths."""
-    dealt = list(bins)
-    rng.shuffle(dealt)
-    return dealt
 
 
 def plan_bins(

@@ -15,23 +15,25 @@ A dropped or skipped sample keeps its place in the batch as a single zero-weight
 every rank's batch keeps its rows and the step's counts (``overlong_samples``,
 ``skipped_samples``) come out of the same deterministic stream on a resume.
 
-Packing randomness (``first_fit_shuffle``'s order, and the order a buffer's rows are dealt
-in, `packing.deal`) uses a private `random.Random` seeded from energon's
-per-worker seed and the pre-packing call index that energon keeps in the loader state; both are
-restored on resume, so the shuffle repeats exactly and no global RNG is touched.
+Packing happens within a step: energon delivers this rank's share of the global batch, in
+conversations, exactly as without packing, and `SFTTaskEncoder.pack` lays those conversations
+out in rows of at most ``max_input_seq_length`` tokens. So ``policy.train_global_batch_size``
+counts conversations packed or not (as in NeMo RL), a packed step trains on the same
+conversations as the unpacked one, and the loader's state (energon's) is the same either way.
+``first_fit_shuffle`` draws from a private `random.Random` seeded by the step's source ids.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import numpy as np
 import torch
-from megatron.energon import Sample, SkipSample, TaskEncoder, WorkerConfig, edataclass, stateless
-from megatron.energon.rng import SystemRng
+from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, stateless
 
 from sft_runtime.runtime.data.batch import SFTBatch
-from sft_runtime.runtime.data.packing import deal, plan_bins
+from sft_runtime.runtime.data.packing import plan_bins
 from sft_runtime.runtime.data.sample import ChatSample
 from sft_runtime.runtime.data.tokenizer import ChatTokenizer, apply_chat_template
 
@@ -188,41 +190,43 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
             refused=[],
         )
 
-    def _pack_rng(self) -> random.Random:
-        worker_seed = WorkerConfig.active_worker_config.worker_seed()
-        return random.Random(SystemRng.get_seed_from_args(worker_seed, self.current_sample_index))
+    @stateless
+    def batch(self, samples: list[EncodedChat]) -> SFTBatch:
+        rows = samples if self.packing_algorithm is None else self.pack(samples)
+        return collate_rows(rows, pad_id=self.tokenizer.pad_id, pad_multiple=self.pad_multiple)
 
-    def select_samples_to_pack(self, samples: list[EncodedChat]) -> list[list[EncodedChat]]:
-        """Plan bins of at most `max_input_seq_length` tokens over the whole buffer."""
+    def pack(self, samples: list[EncodedChat]) -> list[EncodedChat]:
+        """One step's conversations (this rank's share of the global batch) packed into rows
+        of at most ``max_input_seq_length`` tokens, each conversation its own segment."""
         assert self.packing_algorithm is not None
-        rng = self._pack_rng()
         bins = plan_bins(
             [s.length for s in samples],
             self.max_input_seq_length,
             self.packing_algorithm,
             max_per_bin=self.max_sequences_per_bin,
-            rng=rng,
+            rng=_shuffle_rng(samples),
             balanced_knapsack_delta=self.balanced_knapsack_delta,
         )
-        if self.packing_algorithm != "concatenative":  # which keeps the stream's order
-            bins = deal(bins, rng)
-        return [[samples[i] for i in b] for b in bins]
+        return [join_rows([samples[i] for i in b]) for b in bins]
 
-    @stateless
-    def pack_selected_samples(self, samples: list[EncodedChat]) -> EncodedChat:
-        """Concatenate the chosen samples into one row, keeping each as its own segment."""
-        return EncodedChat(
-            __key__="+".join(s.__key__ for s in samples),
-            __restore_key__=(),
-            __subflavors__=None,
-            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
-            source_ids=[sid for s in samples for sid in s.source_ids],
-            token_ids=[ids for s in samples for ids in s.token_ids],
-            loss_masks=[m for s in samples for m in s.loss_masks],
-            overlong=[sid for s in samples for sid in s.overlong],
-            refused=[r for s in samples for r in s.refused],
-        )
 
-    @stateless
-    def batch(self, samples: list[EncodedChat]) -> SFTBatch:
-        return collate_rows(samples, pad_id=self.tokenizer.pad_id, pad_multiple=self.pad_multiple)
+def _shuffle_rng(samples: list[EncodedChat]) -> random.Random:
+    """``first_fit_shuffle``'s randomness: seeded by the step's own source ids, so a resumed
+    or re-read step plans the same rows and no global RNG is touched."""
+    keys = "\n".join(sid for s in samples for sid in s.source_ids)
+    return random.Random(hashlib.sha256(keys.encode()).digest())
+
+
+def join_rows(samples: list[EncodedChat]) -> EncodedChat:
+    """The chosen samples concatenated into one row, each kept as its own segment."""
+    return EncodedChat(
+        __key__="+".join(s.__key__ for s in samples),
+        __restore_key__=(),
+        __subflavors__=None,
+        __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
+        source_ids=[sid for s in samples for sid in s.source_ids],
+        token_ids=[ids for s in samples for ids in s.token_ids],
+        loss_masks=[m for s in samples for m in s.loss_masks],
+        overlong=[sid for s in samples for sid in s.overlong],
+        refused=[r for s in samples for r in s.refused],
+    )

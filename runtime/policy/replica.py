@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -156,9 +156,14 @@ class Replica(ReplicaState):
         passes with a zero loss before every rank raises, so the step can be aborted and
         the group trains on.
         """
+        size = self.policy.train_micro_batch_size
+        open_step = self._open
+        mine = batch if batch is not None else open_step.batch if open_step else None
+        passes = 0 if mine is None else -(-mine.num_rows // size)
         if self.sharded:
-            failed = error is not None or self._open is None or self._open.trained
-            self.agree(failed, "train_step")
+            failed = error is not None or open_step is None or open_step.trained
+            # packed rows vary per rank: every rank runs the most micro-batches any runs
+            passes = self.agree(failed, "train_step", passes=0 if failed else passes)
         if error is not None:
             raise error
         step = self._require_open("train_step")
@@ -166,14 +171,16 @@ class Replica(ReplicaState):
             raise RuntimeError("train_step called twice in one step")
         batch = step.batch if batch is None else batch
         self.model.train()
-        size = self.policy.train_micro_batch_size
         multiple = self.policy.make_sequence_length_divisible_by
         t_all = time.perf_counter()
         batch = batch.to(self.device)  # once, not per micro-batch (no copy on the CPU)
         loss_error: Exception | None = None
-        for start in range(0, batch.num_rows, size):
-            # no forward over columns that are padding in every row of this micro-batch
-            mb = batch.rows(start, min(start + size, batch.num_rows)).trimmed(multiple)
+        for start in range(0, passes * size, size):
+            if start >= batch.num_rows:  # a pass that only keeps the peers' collectives
+                mb = batch.rows(0, 1).trimmed(multiple)
+                mb = replace(mb, loss_mask=torch.zeros_like(mb.loss_mask))
+            else:  # no forward over columns that are padding in every row of this micro-batch
+                mb = batch.rows(start, min(start + size, batch.num_rows)).trimmed(multiple)
             t0 = time.perf_counter()
             with self.autocast():
                 logits = forward_logits(self.model, mb)
@@ -185,7 +192,7 @@ class Replica(ReplicaState):
                 loss_error = loss_error or exc
                 loss, metrics = logits.sum() * 0.0, None  # the peers' collectives still match
             loss.backward()
-            if metrics is not None:
+            if metrics is not None and start < batch.num_rows:
                 metrics["rows"] = float(mb.num_rows)
                 metrics["forward_backward_s"] = time.perf_counter() - t0
                 step.micro_batches.append(metrics)
@@ -308,12 +315,17 @@ class Replica(ReplicaState):
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], self.device)
 
-    def agree(self, failed: bool, phase: str) -> None:
-        """Every rank learns whether any failed (a collective); a healthy rank whose peer
-        failed raises `PeerStepError`, a failed one goes on to raise its own error."""
-        flags = self._all_reduce(torch.tensor([float(failed)], device=self.device))
-        if not failed and flags[0].item() > 0:
+    def agree(self, failed: bool, phase: str, passes: int = 0) -> int:
+        """Every rank learns whether any failed, and the most ``passes`` any rank has (one
+        collective); a healthy rank whose peer failed raises `PeerStepError`, a failed one
+        goes on to raise its own error."""
+        # the minimum of the negated values: -1 if any failed, minus the largest count
+        flags = torch.tensor([-float(failed), -float(passes)], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        if not failed and flags[0].item() < 0:
             raise PeerStepError(f"{phase} failed on another data-parallel rank")
+        return int(-flags[1].item())
 
     @staticmethod
     def _all_reduce(t: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,6 @@ KEY_KINDS: dict[str, Kind] = {
         "data.train.virtual_epoch_length",
         "data.energon.num_workers",
         "data.energon.shuffle_buffer_size",
-        "data.energon.packing_buffer_size",
         "data.energon.topology_mapper",
         "data.validation.path",  # by the data set's content
         "data.validation.split",

@@ -175,10 +175,9 @@ def test_one_epoch_is_one_pass_over_the_train_split(tmp_path):
     assert brought.data.train.virtual_epoch_length == 48 // 8  # whole global batches
     assert brought.data.validation.split == "val"
     assert brought.data.validation.path == brought.data.train.path
-    raw["policy"]["sequence_packing"] = {"enabled": True}
-    raw["data"]["energon"]["packing_buffer_size"] = 16
-    with pytest.raises(UserInputError, match="virtual_epoch_length is needed with sequence pack"):
-        bring_data(validate_config(raw), cache=tmp_path / "cache")
+    raw["policy"]["sequence_packing"] = {"enabled": True}  # the batch counts conversations
+    packed = bring_data(validate_config(raw), cache=tmp_path / "cache")
+    assert packed.data.train.virtual_epoch_length == 48 // 8
 
 
 def test_a_run_on_a_nemo_rl_data_file_trains_validates_and_resumes_exactly(

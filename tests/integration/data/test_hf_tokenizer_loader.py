@@ -12,7 +12,7 @@ from tests.support.hf_models import CHATML_TEMPLATE
 
 pytest.importorskip("transformers")
 
-PACKING = {"packing_algorithm": "first_fit_decreasing", "packing_buffer_size": 12}
+PACKING = {"packing_algorithm": "first_fit_decreasing"}
 
 
 def _spec(folder, chat_template: str | None = None) -> TokenizerSpec:

@@ -23,7 +23,7 @@ class _Boom:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_real_states_round_trip_and_still_resume(make_loader, workers):
-    extra = {"packing_algorithm": "first_fit_shuffle", "packing_buffer_size": 8}
+    extra = {"packing_algorithm": "first_fit_shuffle"}
     extra["num_workers"] = workers
     loader = make_loader(**extra)
     loader.load()

@@ -112,7 +112,6 @@ def test_stream_identical_with_packing_and_two_ranks(perf_spec):
         batch_size=3,
         max_input_seq_length=128,
         packing_algorithm="first_fit_decreasing",
-        packing_buffer_size=12,
     )
     for rank in (0, 1):
         plain, ahead = _plain(spec, rank=rank, world=2), _prefetching(spec, 3, rank=rank, world=2)

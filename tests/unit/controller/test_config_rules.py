@@ -51,7 +51,7 @@ def test_max_train_steps_is_the_smaller_budget():
         ("checkpointing.metric_name", "loss", "'train:<metric>'"),
         ("checkpointing.metric_name", "val:loss", "'val:loss' is not a validation metric"),
         ("checkpointing.metric_name", "val:val_loss", "no validation runs in this config"),
-        ("data.energon.packing_buffer_size", "16", "policy.sequence_packing.enabled"),
+        ("+data.energon.packing_buffer_size", "16", "there is no packing buffer"),
         ("policy.sequence_packing.algorithm", "best_fit", "policy.sequence_packing.algorithm"),
         ("checkpointing.checkpoint_must_save_by", "3h", "DD:HH:MM:SS"),
         ("checkpointing.checkpoint_must_save_by", "00:25:00:00", "hours < 24"),

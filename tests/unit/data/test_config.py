@@ -9,7 +9,6 @@ from pydantic import ValidationError
 
 from sft_runtime.runtime.data.config import (
     DataConfig,
-    LoaderSpec,
     SequencePackingConfig,
     build_loader_spec,
 )
@@ -25,7 +24,7 @@ SECTION = {
 def test_defaults_and_unknown_keys():
     data = DataConfig.model_validate(SECTION)
     assert data.backend == "energon" and data.train.split == "train"
-    assert data.energon.num_workers == 0 and data.energon.packing_buffer_size is None
+    assert data.energon.num_workers == 0
     with pytest.raises(ValidationError, match="shuffle_bufer_size"):
         DataConfig.model_validate({**SECTION, "energon": {"shuffle_bufer_size": 64}})
     # no epoch length: one pass over the train split, counted once the data is at hand
@@ -53,17 +52,15 @@ def test_packing_settings_resolve():
         enabled=True, algorithm="greedy_knapsack", max_sequences_per_bin=3
     )
     spec = build_loader_spec(data, global_batch_size=8, logical_world_size=2, packing=packing)
-    assert (spec.packing_algorithm, spec.packing_buffer_size, spec.max_sequences_per_bin) == (
+    # the batch counts conversations, packed or not: 8 over 2 ranks is 4 a rank
+    assert (spec.packing_algorithm, spec.batch_size, spec.max_sequences_per_bin) == (
         "greedy_knapsack",
-        32,
+        4,
         3,
     )
-    with_buffer = DataConfig.model_validate(
-        {**SECTION, "energon": {"shuffle_buffer_size": 64, "packing_buffer_size": 50}}
-    )
-    with pytest.raises(UserInputError, match="sequence_packing.enabled is false"):
-        build_loader_spec(with_buffer, global_batch_size=8, logical_world_size=2)
+    with pytest.raises(ValidationError, match="there is no packing buffer; remove the key"):
+        DataConfig.model_validate(
+            {**SECTION, "energon": {"shuffle_buffer_size": 64, "packing_buffer_size": 50}}
+        )
     with pytest.raises(ValidationError, match="algorithm"):
         SequencePackingConfig(enabled=True, algorithm="best_fit")
-    with pytest.raises(ValidationError, match="go together"):
-        LoaderSpec(data_path="x", batch_size=1, max_input_seq_length=8, packing_buffer_size=4)

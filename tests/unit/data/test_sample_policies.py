@@ -13,7 +13,7 @@ import pytest
 from megatron.energon import SkipSample
 
 from sft_runtime.runtime.data.sample import ChatSample
-from sft_runtime.runtime.data.task_encoder import SFTTaskEncoder, encode_conversation
+from sft_runtime.runtime.data.task_encoder import SFTTaskEncoder, encode_conversation, join_rows
 from sft_runtime.runtime.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -79,7 +79,7 @@ def test_the_counts_survive_packing_collation_and_the_trip_between_processes():
     encoder = SFTTaskEncoder(TOK, max_input_seq_length=FULL - 3, overlong="mask")
     bad = _sample("line000000007", [{"role": "narrator", "content": "x"}])
     rows = [encoder.encode_sample(_sample(f"line00000000{i}")) for i in (1, 2)]
-    packed = encoder.pack_selected_samples([*rows, encoder.encode_sample(bad)])
+    packed = join_rows([*rows, encoder.encode_sample(bad)])  # one packed row
     batch = encoder.batch([packed])
     assert batch.overlong_ids == ["line000000001", "line000000002"]
     assert [key for key, _ in batch.refused_samples] == ["line000000007"]
