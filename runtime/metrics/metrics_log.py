@@ -1,7 +1,7 @@
 """Per-step metrics: one JSON line per step in ``<log_dir>/metrics.jsonl``, and TensorBoard.
 
 The event log is the record of truth; these files are for plotting, so both are flushed
-every step but never fsynced. With ``logger.tensorboard`` on, the same numbers go to event
+every step but never fsynced. With ``logger.tensorboard_enabled`` on, the same numbers go to event
 files under ``<log_dir>/tensorboard/``: the JSON line ``{"step": N, "train": {"loss": x}}``
 becomes the scalar ``train/loss`` at global step N, so a key means the same in both places.
 """
@@ -14,27 +14,49 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TENSORBOARD_DIR = "tensorboard"
 TENSORBOARD_INSTALL = "pip install 'sft-runtime[tensorboard]'"
 
 
+class TensorboardConfig(BaseModel):
+    """NeMo RL's ``logger.tensorboard`` block: where the event files go, under the run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    log_dir: str = TENSORBOARD_DIR  # relative to the metrics' folder (the run directory)
+
+
 class LoggerConfig(BaseModel):
+    """NeMo RL's ``logger`` keys where this runtime has the backend; ``log_dir`` is the run
+    directory (the event log, metrics and traces live there), not a folder of loggers."""
+
     model_config = ConfigDict(extra="forbid")
 
     log_dir: str | None = None  # default: the run directory
     jsonl: bool = True
-    tensorboard: bool = False  # event files under <log_dir>/tensorboard/ (an optional extra)
+    tensorboard_enabled: bool = False  # NeMo RL's name; an optional extra
+    tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
 
-    @field_validator("tensorboard")
+    @model_validator(mode="before")
+    @classmethod
+    def _nemo_rl_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("tensorboard"), bool):
+            raise ValueError(
+                "logger.tensorboard is NeMo RL's block {log_dir: ...}; TensorBoard is turned "
+                f"on by logger.tensorboard_enabled: {str(data['tensorboard']).lower()}"
+            )
+        return data
+
+    @field_validator("tensorboard_enabled")
     @classmethod
     def _tensorboard_installed(cls, value: bool) -> bool:
         # refused here, before Ray starts, rather than found missing in the controller
         if value and importlib.util.find_spec("tensorboard") is None:
             raise ValueError(
                 f"the tensorboard package is not installed: {TENSORBOARD_INSTALL} "
-                "(or set logger.tensorboard=false)"
+                "(or set logger.tensorboard_enabled=false)"
             )
         return value
 
@@ -48,12 +70,13 @@ class MetricsLogger:
         *,
         jsonl: bool = True,
         tensorboard: bool = False,
+        tensorboard_dir: str = TENSORBOARD_DIR,
         first_step: int = 1,
     ) -> None:
         self.path = Path(log_dir) / "metrics.jsonl"
         self._fh = open(self.path, "ab") if jsonl else None  # noqa: SIM115 - closed in close()
         self._tb = (
-            _summary_writer(Path(log_dir) / TENSORBOARD_DIR, first_step) if tensorboard else None
+            _summary_writer(Path(log_dir) / tensorboard_dir, first_step) if tensorboard else None
         )
 
     @classmethod
@@ -65,7 +88,8 @@ class MetricsLogger:
         return cls(
             logger_config.log_dir or run_dir,
             jsonl=logger_config.jsonl,
-            tensorboard=logger_config.tensorboard,
+            tensorboard=logger_config.tensorboard_enabled,
+            tensorboard_dir=logger_config.tensorboard.log_dir,
             first_step=first_step,
         )
 
@@ -93,14 +117,14 @@ def _summary_writer(directory: Path, first_step: int) -> Any:
 
     On a resume (``first_step`` > 1) the writer starts with a purge mark: TensorBoard then
     hides what earlier attempts wrote from ``first_step`` on, the steps the resume rolled
-    back, as the event log's lineage does. Config validation refuses ``logger.tensorboard``
+    back, as the event log's lineage does. Config validation refuses ``logger.tensorboard_enabled``
     when the package is missing; a worker node without it still trains, with a warning.
     """
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         warnings.warn(
-            f"logger.tensorboard is on but tensorboard is not installed here "
+            f"logger.tensorboard_enabled is on but tensorboard is not installed here "
             f"({TENSORBOARD_INSTALL}); metrics go to metrics.jsonl only",
             stacklevel=3,
         )

@@ -1,5 +1,6 @@
-"""A real three-step run (Ray, energon, torch) with ``logger.tensorboard`` on: TensorBoard holds
-every step of metrics.jsonl under the same keys, and ``events --plot`` draws the run's log."""
+"""A real three-step run (Ray, energon, torch) with ``logger.tensorboard_enabled`` on:
+TensorBoard holds every step of metrics.jsonl under the same keys, and ``events --plot``
+draws the run's log."""
 
 from __future__ import annotations
 
@@ -22,7 +23,15 @@ STEPS = 3  # the small run's save_period: one checkpoint, at the end
 @pytest.fixture(scope="module")
 def tb_run(ray_session, demo_data, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("tensorboard") / "run"
-    summary = run_training(small_config(run_dir, demo_data, STEPS, "logger.tensorboard=true"))
+    summary = run_training(
+        small_config(
+            run_dir,
+            demo_data,
+            STEPS,
+            "logger.tensorboard_enabled=true",
+            "logger.tensorboard.log_dir=tb_logs",  # NeMo RL's block: a folder in the run
+        )
+    )
     assert summary["reason"] == "completed" and summary["total_steps"] == STEPS
     return run_dir
 
@@ -38,7 +47,7 @@ def test_tensorboard_holds_every_step_of_metrics_jsonl_under_the_same_keys(tb_ru
 
     rows = read_metrics(tb_run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
-    acc = EventAccumulator(str(tb_run / "tensorboard"), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(tb_run / "tb_logs"), size_guidance={"scalars": 0})
     acc.Reload()  # the writer was closed at the end of the run, or nothing would be read
     tags = set(acc.Tags()["scalars"])
     expected = {f"train/{key}" for key in _numbers(rows[0]["train"])}

@@ -1,6 +1,6 @@
-"""`logger.tensorboard`: refused before Ray when the extra is missing; otherwise every step's
-metrics.jsonl numbers go to TensorBoard under the same keys, and a resume hides the steps
-it rolled back."""
+"""`logger.tensorboard_enabled`: refused before Ray when the extra is missing; otherwise every
+step's metrics.jsonl numbers go to TensorBoard under the same keys, and a resume hides the
+steps it rolled back."""
 
 from __future__ import annotations
 
@@ -31,21 +31,28 @@ def no_tensorboard(monkeypatch):
 
 def _raw(tensorboard: str) -> dict:
     raw = small_raw(Path("/tmp/run"), Path("/tmp/data"))
-    apply_override(raw, f"logger.tensorboard={tensorboard}")
+    apply_override(raw, f"logger.tensorboard_enabled={tensorboard}")
     return raw
 
 
 def test_config_refuses_tensorboard_without_the_package(no_tensorboard):
     with pytest.raises(UserInputError) as info:
         validate_config(_raw("true"))
-    assert f"logger.tensorboard: the tensorboard package is not installed: {INSTALL}" in str(
-        info.value
+    assert f"logger.tensorboard_enabled: the tensorboard package is not installed: {INSTALL}" in (
+        str(info.value)
     )
-    assert validate_config(_raw("false")).logger.tensorboard is False
+    assert validate_config(_raw("false")).logger.tensorboard_enabled is False
 
 
 def test_config_accepts_tensorboard_when_installed():
-    assert validate_config(_raw("true")).logger.tensorboard is True
+    assert validate_config(_raw("true")).logger.tensorboard_enabled is True
+
+
+def test_the_old_switch_is_refused_naming_nemo_rls_key():
+    raw = small_raw(Path("/tmp/run"), Path("/tmp/data"))
+    raw["logger"]["tensorboard"] = True
+    with pytest.raises(UserInputError, match="turned on by logger.tensorboard_enabled: true"):
+        validate_config(raw)
 
 
 def test_train_exits_2_before_ray_without_the_package(
@@ -59,9 +66,9 @@ def test_train_exits_2_before_ray_without_the_package(
     monkeypatch.setattr(driver, "run_training", must_not_run)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(small_raw(tmp_path / "run", tmp_path / "data")))
-    assert main(["train", str(config), "logger.tensorboard=true"]) == 2
+    assert main(["train", str(config), "logger.tensorboard_enabled=true"]) == 2
     err = capsys.readouterr().err
-    assert f"logger.tensorboard: the tensorboard package is not installed: {INSTALL}" in err
+    assert f"logger.tensorboard_enabled: the tensorboard package is not installed: {INSTALL}" in err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 
