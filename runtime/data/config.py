@@ -16,6 +16,7 @@ data set exactly once.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -66,12 +67,13 @@ class _DataFile(_Section):
     path: str | None = None
     dataset_name: str | None = None
     data_path: str | None = None
-    chat_key: str = "messages"
-    system_key: str | None = None
-    system_prompt: str | None = None
-    tool_key: str = "tools"
-    input_key: str = "input"
-    output_key: str = "output"
+    # how a line reads: NeMo RL's keys, with `RecordShape`'s (NeMo RL's) defaults
+    chat_key: str = RecordShape.chat_key
+    system_key: str | None = RecordShape.system_key
+    system_prompt: str | None = RecordShape.system_prompt
+    tool_key: str = RecordShape.tool_key
+    input_key: str = RecordShape.input_key
+    output_key: str = RecordShape.output_key
 
     def _check_source(self, section: str) -> None:
         if self.dataset_name is not None and self.dataset_name not in DATASET_NAMES:
@@ -99,15 +101,9 @@ class _DataFile(_Section):
 
     def shape(self) -> RecordShape:
         """How a line of ``data_path`` reads."""
-        return RecordShape(
-            dataset_name=self.dataset_name or "openai_format",
-            chat_key=self.chat_key,
-            system_key=self.system_key,
-            system_prompt=self.system_prompt,
-            tool_key=self.tool_key,
-            input_key=self.input_key,
-            output_key=self.output_key,
-        )
+        keys = {f.name for f in fields(RecordShape)} - {"dataset_name"}
+        name = self.dataset_name or RecordShape.dataset_name
+        return RecordShape(dataset_name=name, **self.model_dump(include=keys))
 
 
 class TrainDataConfig(_DataFile):
