@@ -3,7 +3,7 @@ FSDP2 in bf16, against a plain torch FSDP2 loop over the same model and the same
 
 The model is built from its config (random weights, nothing downloaded) and saved once as a
 model folder with a BPE tokenizer trained offline; the data is the demo chat set, packed into
-rows of ``--seq`` tokens. sft-runtime trains it with ``policy.parallel.fsdp`` (param bf16,
+rows of ``--seq`` tokens. sft-runtime trains it with ``policy.dtensor_cfg.enabled`` (param bf16,
 reduce fp32, activation checkpointing) over ``--gpus`` workers; the plain loop is one process
 per GPU (NCCL) with the same `fully_shard` layout, packed-row attention (`hf_logits`), AdamW
 and micro-batching, fed the very batches the runtime's loaders yield (written beforehand,
@@ -76,7 +76,7 @@ def raw_config(args, folder: Path, data: Path, run_dir: Path) -> dict:
     gpus = 0 if args.smoke else args.gpus
     return {
         "policy": {
-            "model": {"kind": "hf", "hf_path": str(folder)},
+            "model_name": str(folder),
             "train_global_batch_size": args.gpus * args.micro * args.accum,
             "train_micro_batch_size": args.micro,
             "optimizer": {  # the plain loop's AdamW: torch's defaults
@@ -84,8 +84,8 @@ def raw_config(args, folder: Path, data: Path, run_dir: Path) -> dict:
             },
             "make_sequence_length_divisible_by": 64,
             "sequence_packing": {"enabled": True, "algorithm": "first_fit_decreasing"},
-            "parallel": {
-                "fsdp": True,
+            "dtensor_cfg": {
+                "enabled": True,
                 "param_dtype": "bfloat16",
                 "reduce_dtype": "float32",
                 "activation_checkpointing": True,
@@ -150,7 +150,7 @@ def plain_rank(rank: int, world: int, port: int, job: dict) -> None:
     rendezvous.join(backend, rank, world, port=port)
     # the runtime's own packed-row attention: the two sides differ in the runtime, not the kernel
     model = load_hf_model(job["folder"]).to(device)
-    enable_activation_checkpointing(model)  # as policy.parallel.activation_checkpointing does
+    enable_activation_checkpointing(model)  # as policy.dtensor_cfg.activation_checkpointing does
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:

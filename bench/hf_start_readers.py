@@ -180,14 +180,14 @@ def _rank(rank: int, port: int, folder: str, path: str, out: str) -> None:
     import torch.distributed as dist
 
     from sft_runtime.runtime.policy import fsdp, rendezvous
-    from sft_runtime.runtime.policy.config import ParallelConfig
+    from sft_runtime.runtime.policy.config import DTensorConfig
     from sft_runtime.runtime.policy.hf_shards import skeleton
 
     torch.set_num_threads(1)  # two ranks on a shared machine
     rendezvous.join("gloo", rank, WORLD, port=port)
     try:
         model = skeleton(folder)
-        parallel = ParallelConfig(fsdp=True)
+        parallel = DTensorConfig(enabled=True)
         fsdp.shard_model(model, parallel, fsdp.build_mesh(parallel, WORLD, torch.device("cpu")))
         gc.collect()
         dist.barrier()

@@ -2,7 +2,7 @@
 
 `overhead.py` prices the runtime around its own small transformer; a user who brings an HF
 checkpoint compares with the loop they would write themselves: ``AutoModelForCausalLM`` and
-AdamW on the same batches (`plain_loop.py` with ``policy.model.kind: hf``). The model is a
+AdamW on the same batches (`plain_loop.py` with ``policy.model_name``). The model is a
 Llama folder as on the hub (trained tokenizer and chat template, `tests.support.hf_models`),
 widened so a step is compute-bound, since a tiny step would make any fixed cost look huge.
 DP=1 leaves one of this machine's two cores to the runtime's controller (the plain loop has
@@ -113,7 +113,8 @@ def model_dir(out: Path) -> Path:
 
 def raw_config(data: Path, model: Path, run_dir: Path, workers: int = 1, prefetch: int = 2) -> dict:
     raw = h.raw_config(SHAPE, data, run_dir, STEPS, world=WORLD, prefetch=prefetch)
-    raw["policy"]["model"] = {"kind": "hf", "hf_path": str(model)}  # its tokenizer too
+    raw["policy"].pop("model", None)
+    raw["policy"]["model_name"] = str(model)  # its tokenizer too
     raw["data"]["energon"]["num_workers"] = workers
     return raw
 

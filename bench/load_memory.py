@@ -2,7 +2,7 @@
 
 A Llama of about 300M parameters is built offline and stored in bf16 over several
 safetensors files, as a hub folder is. Two workers load it with FSDP
-(``policy.parallel.fsdp=true``): each should read only its slices, so a worker's peak RSS
+(``policy.dtensor_cfg.enabled=true``): each should read only its slices, so a worker's peak RSS
 until its loaders are ready, less the same worker with the toy model, is compared with the
 model's float32 bytes (target <= 0.6; a whole load holds >= 1.0, printed beside it with
 ``fsdp: false``). Build times of both groups are printed, not judged: the unsharded path is
@@ -85,11 +85,10 @@ def configs(run_dir: Path, data: Path, folder: Path | None, fsdp: bool, *more: s
     """The tests' small run config, on the HF folder (or the toy model when None)."""
     from tests.support.small_run import small_config
 
-    items = [f"policy.parallel.fsdp={str(fsdp).lower()}", "cluster.call_timeout_s=900"]
+    items = [f"policy.dtensor_cfg.enabled={str(fsdp).lower()}", "cluster.call_timeout_s=900"]
     if folder is not None:
         items += [
-            "policy.model.kind=hf",
-            f"policy.model.hf_path={folder}",
+            f"policy.model_name={folder}",
             "data.max_input_seq_length=64",
         ]
     return small_config(run_dir, data, 1, *items, *more)

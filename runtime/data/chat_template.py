@@ -76,13 +76,13 @@ def resolve_template(tokenizer: Any, override: str | None, *, path: str) -> str:
         return override
     if tokenizer.chat_template is None:
         raise UserInputError(
-            f"tokenizer.path {path!r}: the tokenizer has no chat template; set "
+            f"policy.tokenizer.name {path!r}: the tokenizer has no chat template; set "
             f"{TEMPLATE_KEY} to the Jinja template its model was trained with"
         )
     try:
         return str(tokenizer.get_chat_template())
     except ValueError as exc:  # named templates but none called "default"
-        raise UserInputError(f"tokenizer.path {path!r}: {exc}; set {TEMPLATE_KEY}") from exc
+        raise UserInputError(f"policy.tokenizer.name {path!r}: {exc}; set {TEMPLATE_KEY}") from exc
 
 
 def template_digest(template: str) -> str:
@@ -347,11 +347,11 @@ def check_template(chat: ChatTemplate, *, path: str) -> None:
         _, mask = chat.tokenize(_PROBE)
     except Exception as exc:  # a template error can be any type (jinja2, ValueError, ...)
         raise UserInputError(
-            f"tokenizer.path {path!r}: the chat template cannot render a user/assistant "
+            f"policy.tokenizer.name {path!r}: the chat template cannot render a user/assistant "
             f"chat ({type(exc).__name__}: {exc}); check {TEMPLATE_KEY}"
         ) from exc
     if not any(mask):
         raise UserInputError(
-            f"tokenizer.path {path!r}: the chat template marks no assistant token in a "
+            f"policy.tokenizer.name {path!r}: the chat template marks no assistant token in a "
             f"user/assistant chat (empty {{% generation %}} blocks?); check {TEMPLATE_KEY}"
         )

@@ -28,7 +28,7 @@ from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError
 
 TokenizerConfig = TokenizerSpec
-"""The ``tokenizer`` section: ``name: byte`` (default) or ``name: huggingface, path: DIR``."""
+"""The ``tokenizer`` section: ``name: byte`` (default) or ``name: DIR`` (NeMo RL's)."""
 
 PackingAlgorithm = Literal[PACKING_ALGORITHMS]  # a tuple subscript lists its members
 DATASET_NAMES = DatasetName.__args__  # NeMo RL's local-file data sets
@@ -165,6 +165,12 @@ class SequencePackingConfig(_Section):
     max_sequences_per_bin: int | None = Field(None, ge=1)
     # Tokens over the mean a row may take under balanced_greedy_knapsack (see packing.py).
     balanced_knapsack_delta: int = Field(0, ge=0)
+    # NeMo RL's tokens per packed micro-batch; here a micro-batch is train_micro_batch_size
+    # rows of max_input_seq_length, so only that product is taken (null: the same)
+    train_mb_tokens: int | None = Field(None, ge=1)
+    # NeMo RL's padding of each packed sample (for its fused kernels): padding changes no
+    # loss here, where rows are padded whole (policy.make_sequence_length_divisible_by)
+    sequence_length_round: int = Field(64, ge=1)
 
 
 class LoaderSpec(BaseModel):

@@ -20,39 +20,79 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, field_serializer, model_validator
 
 from sft_runtime.runtime.data import chat_template as hf_chat
 from sft_runtime.runtime.errors import UserInputError
 
+PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+"""NeMo RL's ``chat_template: null``: the messages' contents back to back, no markup."""
+
 
 class TokenizerSpec(BaseModel):
-    """Which tokenizer to build: ``name="byte"`` or a local Hugging Face ``path``.
+    """NeMo RL's ``policy.tokenizer``: ``name`` is a local Hugging Face tokenizer folder, or
+    ``byte`` (this runtime's built-in byte-level tokenizer, which needs no files).
 
-    ``chat_template`` (Jinja source) replaces or supplies the Hugging Face tokenizer's chat
-    template, for tokenizers that ship none or whose template does not match the model.
+    ``chat_template`` as NeMo RL reads it: left out or ``default``, the tokenizer's own; a
+    path ending in ``.jinja``, that file's text; ``null``, a passthrough of the messages'
+    contents (`PASSTHROUGH_TEMPLATE`); anything else, Jinja source. Once read it is None (the
+    tokenizer's own, written back as ``default``) or the Jinja source.
     ``chat_template_kwargs`` are the template variables every render gets, as keyword
     arguments of ``apply_chat_template`` (``{enable_thinking: false}`` for Qwen3).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: Literal["byte", "huggingface"] = "byte"
-    path: str | None = None
+    name: str = "byte"
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _path_matches_name(self) -> TokenizerSpec:
-        if self.name == "huggingface" and not self.path:
-            raise ValueError("tokenizer.path is required when tokenizer.name is 'huggingface'")
-        if self.name == "byte" and self.path:
-            raise ValueError("tokenizer.path is only valid with tokenizer.name 'huggingface'")
-        if self.name == "byte" and self.chat_template is not None:
+    @model_validator(mode="before")
+    @classmethod
+    def _nemo_rl_shape(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "path" in data or data.get("name") == "huggingface":
             raise ValueError(
-                "tokenizer.chat_template is only valid with tokenizer.name 'huggingface' "
+                "policy.tokenizer.path: NeMo RL's name for the tokenizer's folder is "
+                "policy.tokenizer.name (by default policy.model_name's)"
+            )
+        if "chat_template" not in data:
+            return data
+        template = data["chat_template"]
+        if template is None:
+            template = PASSTHROUGH_TEMPLATE
+        elif template == "default":
+            template = None
+        elif isinstance(template, str) and template.endswith(".jinja") and "{" not in template:
+            try:
+                template = Path(template).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ValueError(
+                    f"policy.tokenizer.chat_template {template!r}: {exc.strerror or exc}"
+                ) from None
+        return {**data, "chat_template": template}
+
+    @field_serializer("chat_template")
+    def _own_is_default(self, template: str | None) -> str:
+        return "default" if template is None else template
+
+    @property
+    def is_byte(self) -> bool:
+        return self.name == "byte"
+
+    @property
+    def path(self) -> str | None:
+        """The Hugging Face tokenizer's folder (None for the byte tokenizer)."""
+        return None if self.is_byte else self.name
+
+    @model_validator(mode="after")
+    def _byte_has_its_own(self) -> TokenizerSpec:
+        if self.is_byte and self.chat_template is not None:
+            raise ValueError(
+                "policy.tokenizer.chat_template is only valid with a Hugging Face tokenizer "
                 "(the byte tokenizer has a fixed template)"
             )
         return self
@@ -62,9 +102,9 @@ class TokenizerSpec(BaseModel):
         kwargs = self.chat_template_kwargs
         if kwargs is None:
             return self
-        if self.name == "byte":
+        if self.is_byte:
             raise ValueError(
-                f"{KWARGS_KEY} is only valid with tokenizer.name 'huggingface' (the byte "
+                f"{KWARGS_KEY} is only valid with a Hugging Face tokenizer (the byte "
                 "tokenizer has a fixed template)"
             )
         taken = sorted(set(kwargs) & hf_chat.RESERVED_TEMPLATE_KWARGS)
@@ -191,19 +231,19 @@ class HFChatTokenizer:
             from transformers import AutoTokenizer
         except ImportError as exc:
             raise UserInputError(
-                "tokenizer.name 'huggingface' needs the 'transformers' package"
+                "a Hugging Face tokenizer (policy.tokenizer.name) needs the 'transformers' package"
             ) from exc
         if not Path(path).is_dir():
-            raise UserInputError(f"tokenizer.path {path!r}: not a local directory")
+            raise UserInputError(f"policy.tokenizer.name {path!r}: not a local directory")
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if not self._tok.is_fast:
             raise UserInputError(
-                f"tokenizer.path {path!r}: a fast (tokenizer.json) tokenizer is needed, "
+                f"policy.tokenizer.name {path!r}: a fast (tokenizer.json) tokenizer is needed, "
                 "its offsets map the chat template's assistant turns onto tokens"
             )
         eos = self._tok.eos_token_id
         if eos is None:
-            raise UserInputError(f"tokenizer.path {path!r}: tokenizer has no EOS token")
+            raise UserInputError(f"policy.tokenizer.name {path!r}: tokenizer has no EOS token")
         self.eos_id = int(eos)
         bos = self._tok.bos_token_id
         self.bos_id: int | None = None if bos is None else int(bos)
@@ -289,7 +329,7 @@ def save_tokenizer(spec: TokenizerSpec | dict | None, directory: str | Path) -> 
     spec = TokenizerSpec.model_validate(spec or {})
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    if spec.name == "byte":
+    if spec.is_byte:
         info = {"name": "byte", "identity": ByteTokenizer().identity()}
         path = out / TOKENIZER_CONFIG
         path.write_text(json.dumps(info, indent=2, sort_keys=True))
@@ -298,7 +338,7 @@ def save_tokenizer(spec: TokenizerSpec | dict | None, directory: str | Path) -> 
     found = [source / name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
     if not found:
         raise UserInputError(
-            f"tokenizer.path {str(source)!r}: none of the tokenizer files "
+            f"policy.tokenizer.name {str(source)!r}: none of the tokenizer files "
             f"({', '.join(HF_TOKENIZER_FILES)}) is there"
         )
     if spec.chat_template is not None:
@@ -323,7 +363,7 @@ def save_tokenizer(spec: TokenizerSpec | dict | None, directory: str | Path) -> 
 def build_tokenizer(spec: TokenizerSpec | None = None) -> ChatTokenizer:
     """Build the tokenizer a `TokenizerSpec` names (byte level when `spec` is None)."""
     spec = spec or TokenizerSpec()
-    if spec.name == "byte":
+    if spec.is_byte:
         return ByteTokenizer()
     assert spec.path is not None
     return HFChatTokenizer(

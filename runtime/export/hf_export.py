@@ -4,7 +4,7 @@ A checkpoint's ``policy/weights`` is already a model folder, but it sits inside 
 beside optimizer and RNG files a user does not ship. The export writes weights (optionally
 cast, say to bfloat16 for serving), ``config.json`` saying that dtype,
 ``generation_config.json`` and the tokenizer into one folder that ``from_pretrained`` and
-``generate`` use directly, or that a new run names as ``policy.model.hf_path``.
+``generate`` use directly, or that a new run names as ``policy.model_name``.
 
 The weights stream: they are read a few tensors at a time (`WeightReader`, from a
 safetensors folder or the rank files of a sharded FSDP2 checkpoint), cast, and written as
@@ -182,11 +182,10 @@ def _require_hf_run(where: Path) -> None:
         config = yaml.safe_load(config_file.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise UserInputError(f"{config_file}: unreadable ({exc})") from None
-    kind = ((config.get("policy") or {}).get("model") or {}).get("kind", "transformer")
-    if kind != "hf":
+    if not (config.get("policy") or {}).get("model_name"):
         raise UserInputError(
-            f"{where}: trained policy.model.kind {kind!r}; export writes Hugging Face model "
-            "folders, so it needs a run of kind 'hf'"
+            f"{where}: trained the built-in transformer (no policy.model_name); export writes "
+            "Hugging Face model folders, so it needs a run of a Hugging Face model"
         )
 
 

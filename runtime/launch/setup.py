@@ -172,11 +172,11 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
     run_dir = Path(config.logger.log_dir)
     with traced(SETUP_SPANS["check"]):
         _check_data_path(config)
-        if config.policy.model.kind == "hf":  # the model folder first: it may hold the tokenizer
+        if config.policy.is_hf:  # the model folder first: it may hold the tokenizer
             from sft_runtime.runtime.policy.hf_files import check_hf_weights
             from sft_runtime.runtime.policy.hf_model import hf_config, is_local
 
-            hf_path = str(config.policy.model.hf_path)
+            hf_path = str(config.policy.model_name)
             hf = hf_config(hf_path)
             if is_local(hf_path):  # its weight files too, before any worker opens them
                 check_hf_weights(hf_path, hf)
@@ -184,10 +184,10 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
                 from sft_runtime.runtime.policy.packed_attention import check_packed_attention
 
                 check_packed_attention(hf, hf_path)
-            if config.policy.lora.enabled:
+            if config.policy.dtensor_cfg.lora_cfg.enabled:
                 from sft_runtime.runtime.lora.adapters import check_lora
 
-                check_lora(hf, config.policy.lora)
+                check_lora(hf, config.policy.dtensor_cfg.lora_cfg)
         tokenizer = tokenizer_or_processor or build_tokenizer(config.policy.tokenizer)
         check_model_covers(config, tokenizer.vocab_size)
         check_not_held(run_dir)  # another launch's driver holds it (see run_lock)
@@ -196,12 +196,12 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
         resume = find_resume_point(run_dir, CheckpointDir(checkpoint_root(config)))
         span.set_attribute("sft.resume.step", resume.step or 0)
         if resume.step:
-            check_weights_layout(resume.policy_dir / "weights", config.policy.parallel.fsdp)
-            if config.policy.model.kind == "hf":
+            check_weights_layout(resume.policy_dir / "weights", config.policy.dtensor_cfg.enabled)
+            if config.policy.is_hf:
                 from sft_runtime.runtime.lora.base import check_base
 
-                lora, hf_path = config.policy.lora.enabled, config.policy.model.hf_path
-                check_base(resume.policy_dir / "weights", lora, hf_path)
+                lora = config.policy.dtensor_cfg.lora_cfg.enabled
+                check_base(resume.policy_dir / "weights", lora, config.policy.model_name)
         record = resume_config(config, run_dir, resume)  # refuses a change that may not be
         for note in resume_notes(record, resume.step):
             print(note, file=sys.stderr)
@@ -275,8 +275,10 @@ def check_weights_layout(weights: Path, fsdp: bool) -> None:
     if is_sharded(weights) != fsdp:
         saved = "sharded (FSDP2)" if is_sharded(weights) else "unsharded"
         raise UserInputError(
-            f"{weights}: the checkpoint is {saved} but policy.parallel.fsdp={str(fsdp).lower()}; "
-            f"resume with policy.parallel.fsdp={str(not fsdp).lower()}, or export the checkpoint "
+            f"{weights}: the checkpoint is {saved} but "
+            f"policy.dtensor_cfg.enabled={str(fsdp).lower()}; "
+            f"resume with policy.dtensor_cfg.enabled={str(not fsdp).lower()}, or export the "
+            "checkpoint "
             "and start a new run from it"
         )
 
@@ -286,13 +288,14 @@ def check_model_covers(config: MasterConfig, tokenizer_vocab: int) -> None:
     (an id past the vocabulary is an index error deep in a worker; for an HF model these
     sizes come from its own config.json, read here without loading a weight)."""
     model, length = config.policy.model, config.data.max_input_seq_length
-    if model.kind == "hf":
+    name = config.policy.model_name
+    if name is not None:
         from sft_runtime.runtime.policy.hf_model import hf_config
 
-        hf = hf_config(str(model.hf_path))
-        vocab, vocab_key = int(hf.vocab_size), f"{model.hf_path}/config.json vocab_size"
+        hf = hf_config(name)
+        vocab, vocab_key = int(hf.vocab_size), f"{name}/config.json vocab_size"
         positions = getattr(hf, "max_position_embeddings", None)
-        positions_key = f"{model.hf_path}/config.json max_position_embeddings"
+        positions_key = f"{name}/config.json max_position_embeddings"
     else:
         vocab, vocab_key = model.vocab_size, "policy.model.vocab_size"
         positions, positions_key = model.max_seq_len, "policy.model.max_seq_len"

@@ -37,7 +37,8 @@ def require_peft() -> None:
         import peft  # noqa: F401
     except ImportError:
         raise UserInputError(
-            f"policy.lora.enabled=true needs the peft package, which is not installed: "
+            "policy.dtensor_cfg.lora_cfg.enabled=true needs the peft package, which is not "
+            "installed: "
             f"{PEFT_INSTALL}"
         ) from None
 
@@ -87,14 +88,16 @@ def target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
             if not any(_matches(pattern, name) for name in linear):
                 shown = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in linear}))
                 raise UserInputError(
-                    f"policy.lora.{key}[{i}]={pattern!r} matches no linear layer of "
+                    f"policy.dtensor_cfg.lora_cfg.{key}[{i}]={pattern!r} matches no linear layer "
+                    "of "
                     f"{type(model).__name__} (its linear layers: {shown})"
                 )
     if cfg.target_modules:
         chosen = [n for n in linear if any(_matches(p, n) for p in cfg.target_modules)]
         if tied in chosen:
             raise UserInputError(
-                f"policy.lora.target_modules: {tied!r} is tied to the input embedding, and "
+                f"policy.dtensor_cfg.lora_cfg.target_modules: {tied!r} is tied to the input "
+                "embedding, and "
                 "a merged adapter would change the embedding too; leave it out"
             )
         return chosen
@@ -143,13 +146,14 @@ def adapter_parameters(model: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:
 
 
 def check_adapters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Saved adapters are exactly the model's (another ``policy.lora`` adapts other layers)."""
+    """Saved adapters are exactly the model's (another ``policy.dtensor_cfg.lora_cfg`` adapts "
+    "other layers)."""
     expected = {name for name, _ in adapter_parameters(model)}
     if set(tensors) != expected:
         raise UserInputError(
             "checkpoint adapters do not match the model's: missing "
             f"{sorted(expected - set(tensors))[:5]}, unexpected "
-            f"{sorted(set(tensors) - expected)[:5]} (was policy.lora changed?)"
+            f"{sorted(set(tensors) - expected)[:5]} (was policy.dtensor_cfg.lora_cfg changed?)"
         )
 
 

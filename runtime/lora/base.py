@@ -50,7 +50,7 @@ def weights_digest(path: str | os.PathLike) -> str:
     folder = base_folder(path)
     files = weight_files(folder) if folder.is_dir() else []
     if not files:
-        raise UserInputError(f"policy.model.hf_path {str(path)!r}: no weight files to digest")
+        raise UserInputError(f"policy.model_name {str(path)!r}: no weight files to digest")
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode() + b"\0")
@@ -92,20 +92,22 @@ def check_base(weights_dir: Path, lora_enabled: bool, hf_path: str | None) -> No
     if record is None:
         if lora_enabled:
             raise UserInputError(
-                f"{weights_dir}: a full fine-tune's checkpoint, but policy.lora.enabled=true; "
+                f"{weights_dir}: a full fine-tune's checkpoint, but "
+                "policy.dtensor_cfg.lora_cfg.enabled=true; "
                 "resume without LoRA, or export it and start a LoRA run from the export"
             )
         return
     if not lora_enabled:
         raise UserInputError(
             f"{weights_dir}: a LoRA checkpoint (adapters of {record['base_model']}), but "
-            "policy.lora.enabled=false; resume with policy.lora.enabled=true"
+            "policy.dtensor_cfg.lora_cfg.enabled=false; resume with "
+            "policy.dtensor_cfg.lora_cfg.enabled=true"
         )
     assert hf_path is not None
     digest = weights_digest(hf_path)
     if digest != record["base_digest"]:
         raise UserInputError(
-            f"policy.model.hf_path {hf_path!r}: its weights (digest {digest}) are not the base "
+            f"policy.model_name {hf_path!r}: its weights (digest {digest}) are not the base "
             f"the checkpoint's adapters were trained on ({record['base_model']!r}, digest "
             f"{record['base_digest']}, in {weights_dir / BASE_FILE})"
         )

@@ -1,4 +1,4 @@
-"""`policy.lora`: low-rank adapters on a frozen Hugging Face model, with NeMo RL's key names.
+"""`policy.dtensor_cfg.lora_cfg`: low-rank adapters on a frozen Hugging Face model.
 
 The keys and their meanings are those of NeMo RL's ``policy.dtensor_cfg.lora_cfg``, so a
 block copied from a NeMo RL config works as is or is refused naming the key:
@@ -34,7 +34,8 @@ PEFT_INSTALL = "pip install 'sft-runtime[lora]'  (peft==0.21.2)"
 
 
 class LoraConfig(BaseModel):
-    """The adapters ``policy.lora`` asks for (see the module docstring for each key)."""
+    """The adapters ``policy.dtensor_cfg.lora_cfg`` asks for (see the module docstring for each "
+    "key)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -53,24 +54,29 @@ class LoraConfig(BaseModel):
     def _check(self) -> LoraConfig:
         if self.target_modules and self.exclude_modules:
             raise ValueError(
-                "policy.lora.target_modules and policy.lora.exclude_modules are exclusive: "
+                "policy.dtensor_cfg.lora_cfg.target_modules and "
+                "policy.dtensor_cfg.lora_cfg.exclude_modules are exclusive: "
                 "name the layers to adapt, or the ones to leave out, not both"
             )
         if self.target_modules and self.match_all_linear:
             raise ValueError(
-                "policy.lora.match_all_linear=true adapts every linear layer, overriding "
-                "policy.lora.target_modules (as in NeMo RL): set "
-                "policy.lora.match_all_linear=false to adapt only the modules named"
+                "policy.dtensor_cfg.lora_cfg.match_all_linear=true adapts every linear layer, "
+                "overriding "
+                "policy.dtensor_cfg.lora_cfg.target_modules (as in NeMo RL): set "
+                "policy.dtensor_cfg.lora_cfg.match_all_linear=false to adapt only the modules named"
             )
         if not (self.match_all_linear or self.target_modules or self.exclude_modules):
             raise ValueError(
-                "policy.lora: nothing to adapt; set policy.lora.match_all_linear=true or "
-                "name policy.lora.target_modules"
+                "policy.dtensor_cfg.lora_cfg: nothing to adapt; set "
+                "policy.dtensor_cfg.lora_cfg.match_all_linear=true or "
+                "name policy.dtensor_cfg.lora_cfg.target_modules"
             )
         if self.dropout > 0 and self.dropout_position == "post":
             raise ValueError(
-                "policy.lora.dropout_position='post': peft applies LoRA dropout to the "
-                "adapter's input only; set policy.lora.dropout_position=pre (or dropout=0)"
+                "policy.dtensor_cfg.lora_cfg.dropout_position='post': peft applies LoRA dropout "
+                "to the "
+                "adapter's input only; set policy.dtensor_cfg.lora_cfg.dropout_position=pre (or "
+                "dropout=0)"
             )
         return self
 

@@ -1,4 +1,4 @@
-"""Config sections of the policy workers (model, optimizer, schedule, policy, cluster).
+"""Config sections of the policy workers (model, optimizer, schedule, FSDP2, policy, cluster).
 
 These are pydantic v2 models with ``extra="forbid"`` that `MasterConfig` composes under the
 keys ``policy`` and ``cluster``. Static values live here; live objects (actors, tensors,
@@ -23,22 +23,33 @@ _Strict = ConfigDict(extra="forbid", allow_inf_nan=False)  # `lr: .inf` is bad i
 
 
 class ModelConfig(BaseModel):
-    """A small decoder-only transformer, or (``kind="hf"``) a pretrained HF causal LM (its
-    sizes come from its own config.json; ``vocab_size`` and the like are ours only)."""
+    """The built-in decoder-only transformer (what ``policy.model_name: null`` trains; NeMo RL
+    has no such model, so its sizes keep this runtime's names), and how a pretrained model's
+    attention runs."""
 
     model_config = _Strict
 
-    kind: Literal["transformer", "hf"] = "transformer"
     vocab_size: int = Field(256, ge=2)
     d_model: int = Field(64, ge=1)
     n_layers: int = Field(2, ge=1)
     n_heads: int = Field(4, ge=1)
     max_seq_len: int = Field(128, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    hf_path: str | None = None  # kind "hf": a local model folder or a hub id
-    # kind "hf": how attention runs. sdpa runs packed rows a sample at a time with no mask
-    # (packed_attention.py); eager is for unpacked rows only (packing refuses it)
+    # a pretrained model: how attention runs. sdpa runs packed rows a sample at a time with no
+    # mask (packed_attention.py); eager is for unpacked rows only (packing refuses it)
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nemo_rl_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and {"kind", "hf_path"} & data.keys():
+            key = "hf_path" if "hf_path" in data else "kind"
+            raise ValueError(
+                f"policy.model.{key}: NeMo RL's name for the pretrained model is "
+                "policy.model_name (a local model folder); policy.model holds the built-in "
+                "transformer's sizes only"
+            )
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -47,8 +58,6 @@ class ModelConfig(BaseModel):
                 f"policy.model.d_model={self.d_model} must be divisible by "
                 f"policy.model.n_heads={self.n_heads}"
             )
-        if self.kind == "hf" and not self.hf_path:
-            raise ValueError("policy.model.hf_path is required when policy.model.kind is 'hf'")
         return self
 
 
@@ -175,37 +184,127 @@ def check_scheduler(spec: SchedulerSpec, base_lr: float) -> None:
     check_schedule(base_lr, spec)
 
 
-class ParallelConfig(BaseModel):
-    """How the model is spread over the data-parallel workers.
+class DTensorConfig(BaseModel):
+    """NeMo RL's ``policy.dtensor_cfg``: FSDP2 over the data-parallel workers, and LoRA.
 
-    ``fsdp: false`` (the default) keeps a whole replica on every worker. ``fsdp: true``
-    shards parameters, gradients and optimizer state with FSDP2 (each decoder layer and the
-    root ``fully_shard``ed over the workers' mesh), so a model larger than one device fits;
-    ``replicate`` > 1 makes the mesh two-dimensional (replicate x shard, HSDP). The dtypes are
-    FSDP2's `MixedPrecisionPolicy` (null: the parameters' own, float32).
+    ``enabled: false`` (this runtime's default; NeMo RL's is true) keeps a whole replica on
+    every worker. ``enabled: true`` shards parameters, gradients and optimizer state with
+    FSDP2 (each decoder layer and the root ``fully_shard``ed over the workers' mesh), so a
+    model larger than one device fits; ``dp_replicate_size`` > 1 makes the mesh
+    two-dimensional (replicate x shard, HSDP). ``param_dtype``/``reduce_dtype`` (ours) are
+    FSDP2's `MixedPrecisionPolicy` (null: the parameters' own, float32). Tensor, sequence and
+    context parallelism, a custom plan, CPU offload, ``env_vars`` and ``automodel_kwargs``
+    are accepted only at the value that turns nothing on.
     """
 
-    model_config = _Strict
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
-    fsdp: bool = False
+    enabled: bool = False
+    v2: bool = Field(True, alias="_v2")  # NeMo RL's worker version: one worker here
+    activation_checkpointing: bool = False
+    dp_replicate_size: int = Field(1, ge=1)
     reshard_after_forward: bool = True
     param_dtype: Literal["float32", "bfloat16"] | None = None
     reduce_dtype: Literal["float32", "bfloat16"] | None = None
-    activation_checkpointing: bool = False
-    replicate: int = Field(1, ge=1)
+    cpu_offload: bool = False
+    sequence_parallel: bool = False
+    tensor_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    custom_parallel_plan: str | None = None
+    env_vars: dict[str, Any] = Field(default_factory=dict)
+    automodel_kwargs: dict[str, Any] = Field(default_factory=dict)
+    lora_cfg: LoraConfig = LoraConfig()
 
     @model_validator(mode="after")
-    def _check(self) -> ParallelConfig:
-        if not self.fsdp:
+    def _check(self) -> DTensorConfig:
+        off = {
+            "tensor_parallel_size": 1,
+            "context_parallel_size": 1,
+            "sequence_parallel": False,
+            "custom_parallel_plan": None,
+            "cpu_offload": False,
+            "env_vars": {},
+            "automodel_kwargs": {},
+        }
+        for key, value in off.items():
+            if getattr(self, key) != value:
+                raise ValueError(
+                    f"policy.dtensor_cfg.{key}={getattr(self, key)!r} is not supported here "
+                    f"(data-parallel FSDP2 only); set it to {value!r}"
+                )
+        if not self.enabled:
             needs = [k for k in ("param_dtype", "reduce_dtype") if getattr(self, k) is not None]
-            if self.replicate != 1:
-                needs.append("replicate")
+            if self.dp_replicate_size != 1:
+                needs.append("dp_replicate_size")
             if needs:
                 raise ValueError(
-                    f"policy.parallel.{needs[0]} is set but policy.parallel.fsdp is false: "
-                    "set policy.parallel.fsdp=true or remove it"
+                    f"policy.dtensor_cfg.{needs[0]} is set but policy.dtensor_cfg.enabled is "
+                    "false: set policy.dtensor_cfg.enabled=true or remove it"
                 )
         return self
+
+
+class MegatronConfig(BaseModel):
+    """NeMo RL's ``policy.megatron_cfg``, accepted as its base config writes it (disabled):
+    Megatron-Core is not a backend here."""
+
+    model_config = ConfigDict(extra="allow")
+
+    enabled: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> MegatronConfig:
+        if self.enabled:
+            raise ValueError(
+                "policy.megatron_cfg.enabled=true: Megatron-Core is not supported here; "
+                "training runs on PyTorch FSDP2 (policy.dtensor_cfg)"
+            )
+        return self
+
+
+class DynamicBatchingConfig(BaseModel):
+    """NeMo RL's ``policy.dynamic_batching``, accepted disabled (its base config's value)."""
+
+    model_config = _Strict
+
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, ge=1)
+    logprob_mb_tokens: int | None = Field(None, ge=1)
+    sequence_length_round: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> DynamicBatchingConfig:
+        if self.enabled:
+            raise ValueError(
+                "policy.dynamic_batching.enabled=true is not supported yet: use "
+                "policy.sequence_packing.enabled=true (rows of whole conversations up to the "
+                "length limit) for the same throughput"
+            )
+        return self
+
+
+def _nemo_rl_policy_names(data: dict[str, Any]) -> dict[str, Any]:
+    """Refuse this runtime's former names with NeMo RL's, and take ``automodel_cfg``
+    (NeMo RL's newer name of ``dtensor_cfg``) merged over ``dtensor_cfg`` key by key, so a
+    new recipe over an older base config reads as one block."""
+    renamed = {
+        "parallel": "policy.dtensor_cfg (enabled, dp_replicate_size, activation_checkpointing)",
+        "lora": "policy.dtensor_cfg.lora_cfg",
+    }
+    for key, new in renamed.items():
+        if key in data:
+            raise ValueError(f"policy.{key}: NeMo RL's name is {new}")
+    newer = data.get("automodel_cfg")
+    if newer is None:
+        return data
+    data = {k: v for k, v in data.items() if k != "automodel_cfg"}
+    older = data.get("dtensor_cfg") or {}
+    if not isinstance(newer, dict) or not isinstance(older, dict):
+        raise ValueError("policy.automodel_cfg must be a mapping (NeMo RL's dtensor_cfg)")
+    merged = {**older, **newer}
+    if isinstance(older.get("lora_cfg"), dict) and isinstance(newer.get("lora_cfg"), dict):
+        merged["lora_cfg"] = {**older["lora_cfg"], **newer["lora_cfg"]}
+    return {**data, "dtensor_cfg": merged}
 
 
 class PolicyConfig(BaseModel):
@@ -213,27 +312,38 @@ class PolicyConfig(BaseModel):
 
     model_config = _Strict
 
+    # NeMo RL's: a local Hugging Face model folder; null trains the built-in `model`
+    model_name: str | None = None
     model: ModelConfig = ModelConfig()
     tokenizer: dict | None = None
     train_global_batch_size: int = Field(8, ge=1)
     train_micro_batch_size: int = Field(2, ge=1)
+    # NeMo RL's: the longest row the policy trains on (null: data.max_input_seq_length)
+    max_total_sequence_length: int | None = Field(None, ge=2)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     # NeMo RL's: None is a constant rate (see schedule.py)
     scheduler: SchedulerSpec = None
     make_sequence_length_divisible_by: int = Field(1, ge=1)
     precision: Literal["float32", "bfloat16"] = "float32"
-    parallel: ParallelConfig = ParallelConfig()
-    # adapters on a frozen base (runtime.lora); the base is then stored in `precision`
-    lora: LoraConfig = LoraConfig()
+    # FSDP2 and the adapters on a frozen base (runtime.lora; the base is stored in `precision`)
+    dtensor_cfg: DTensorConfig = DTensorConfig()
+    megatron_cfg: MegatronConfig = MegatronConfig()
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    offload_optimizer_for_logprob: Literal[False] = False  # no logprob pass in SFT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data: Any) -> Any:
+        return _nemo_rl_policy_names(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
-        if self.lora.enabled and self.model.kind != "hf":
+        if self.dtensor_cfg.lora_cfg.enabled and not self.is_hf:
             raise ValueError(
-                "policy.lora.enabled=true needs a pretrained Hugging Face model "
-                "(policy.model.kind=hf and policy.model.hf_path): adapters fine-tune a "
-                "frozen base, and the built-in transformer has none"
+                "policy.dtensor_cfg.lora_cfg.enabled=true needs a pretrained Hugging Face "
+                "model (policy.model_name): adapters fine-tune a frozen base, and the built-in "
+                "transformer has none"
             )
         if self.train_global_batch_size % self.train_micro_batch_size != 0:
             raise ValueError(
@@ -242,6 +352,11 @@ class PolicyConfig(BaseModel):
             )
         check_scheduler(self.scheduler, self.optimizer.lr)
         return self
+
+    @property
+    def is_hf(self) -> bool:
+        """A pretrained Hugging Face model (``model_name``), not the built-in transformer."""
+        return self.model_name is not None
 
 
 class ClusterConfig(BaseModel):
@@ -265,12 +380,26 @@ class ClusterConfig(BaseModel):
     # Ray's). See process/niceness.py.
     worker_niceness: int | None = Field(0, ge=-20, le=19)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _workers_follow_gpus(cls, data: Any) -> Any:
+        """NeMo RL runs one worker per GPU: ``gpus_per_node: N`` alone means N workers a
+        node. ``workers_per_node`` is ours, for CPU workers (``gpus_per_node: 0``)."""
+        if (
+            isinstance(data, dict)
+            and data.get("gpus_per_node")
+            and (data.get("workers_per_node") is None)
+        ):
+            return {**data, "workers_per_node": data["gpus_per_node"]}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
         if self.gpus_per_node not in (0, self.workers_per_node):
             raise ValueError(
-                f"cluster.gpus_per_node={self.gpus_per_node} must be 0 (CPU) or equal "
-                f"cluster.workers_per_node={self.workers_per_node} (one GPU per worker)"
+                f"cluster.gpus_per_node={self.gpus_per_node} runs one worker per GPU, but "
+                f"cluster.workers_per_node={self.workers_per_node}: leave workers_per_node "
+                "out (it follows gpus_per_node), or set gpus_per_node=0 for CPU workers"
             )
         return self
 
@@ -292,9 +421,10 @@ def check_batch_layout(policy: PolicyConfig, dp_size: int) -> int:
             f"multiple of data-parallel size {dp_size} x "
             f"policy.train_micro_batch_size={policy.train_micro_batch_size}"
         )
-    if policy.parallel.replicate > 1 and dp_size % policy.parallel.replicate:
+    replicate = policy.dtensor_cfg.dp_replicate_size
+    if replicate > 1 and dp_size % replicate:
         raise UserInputError(
-            f"policy.parallel.replicate={policy.parallel.replicate} must divide the "
+            f"policy.dtensor_cfg.dp_replicate_size={replicate} must divide the "
             f"data-parallel size {dp_size}"
         )
     return per_rank

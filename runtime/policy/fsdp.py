@@ -1,10 +1,10 @@
 """FSDP2 for a replica: shard the model over the data-parallel workers, and what changes then.
 
 `shard_model` applies `fully_shard` to every decoder layer and then to the root, over a
-device mesh of all DP ranks (1-D, or replicate x shard with ``policy.parallel.replicate``),
-as torchtitan composes it. Each rank then keeps only its slice of every parameter, of its
-gradient and (because AdamW's moments are created like the parameters) of the optimizer
-state: a model larger than one device fits.
+device mesh of all DP ranks (1-D, or replicate x shard with
+``policy.dtensor_cfg.dp_replicate_size``), as torchtitan composes it. Each rank then keeps
+only its slice of every parameter, of its gradient and (because AdamW's moments are created
+like the parameters) of the optimizer state: a model larger than one device fits.
 
 What the rest of the replica relies on keeps its meaning:
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sft_runtime.runtime.policy.config import ParallelConfig
+from sft_runtime.runtime.policy.config import DTensorConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,7 +43,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if isinstance(layers, nn.ModuleList):
         return list(layers)
     raise ValueError(
-        f"policy.parallel.fsdp: cannot find the decoder layers of {type(model).__name__} "
+        f"policy.dtensor_cfg.enabled: cannot find the decoder layers of {type(model).__name__} "
         "(expected model.blocks or model.model.layers)"
     )
 
@@ -62,21 +62,21 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         hf_enable({"use_reentrant": False})
     else:
         raise ValueError(
-            f"policy.parallel.activation_checkpointing: {type(model).__name__} offers none"
+            f"policy.dtensor_cfg.activation_checkpointing: {type(model).__name__} offers none"
         )
 
 
-def build_mesh(parallel: ParallelConfig, world_size: int, device: torch.device) -> Any:
+def build_mesh(parallel: DTensorConfig, world_size: int, device: torch.device) -> Any:
     """The DP ranks as one shard dimension, or replicate x shard (HSDP)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if parallel.replicate > 1:
-        shape = (parallel.replicate, world_size // parallel.replicate)
+    if parallel.dp_replicate_size > 1:
+        shape = (parallel.dp_replicate_size, world_size // parallel.dp_replicate_size)
         return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
 
 
-def shard_model(model: nn.Module, parallel: ParallelConfig, mesh: Any) -> None:
+def shard_model(model: nn.Module, parallel: DTensorConfig, mesh: Any) -> None:
     """`fully_shard` each decoder layer, then the root (which takes the embeddings, the
     final norm and the LM head, tied or not); gradients are summed over the ranks."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard

@@ -223,4 +223,4 @@ def _shown(items: list[str]) -> str:
 
 
 def _bad(file: Path, what: str) -> UserInputError:
-    return UserInputError(f"policy.model.hf_path: {file}: {what}")
+    return UserInputError(f"policy.model_name: {file}: {what}")

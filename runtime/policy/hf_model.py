@@ -54,15 +54,15 @@ def hf_config(path: str) -> Any:
     if is_local(path):
         folder = Path(path).expanduser()
         if not folder.is_dir():
-            raise UserInputError(f"policy.model.hf_path {path!r}: no such model folder")
+            raise UserInputError(f"policy.model_name {path!r}: no such model folder")
         if not (folder / "config.json").is_file():
             raise UserInputError(
-                f"policy.model.hf_path {path!r}: no config.json (not a Hugging Face model folder)"
+                f"policy.model_name {path!r}: no config.json (not a Hugging Face model folder)"
             )
     try:
         return AutoConfig.from_pretrained(path, local_files_only=is_local(path))
     except (OSError, ValueError, KeyError) as exc:
-        raise UserInputError(f"policy.model.hf_path {path!r}: unreadable config ({exc})") from None
+        raise UserInputError(f"policy.model_name {path!r}: unreadable config ({exc})") from None
 
 
 def load_hf_model(
@@ -89,7 +89,7 @@ def load_hf_model(
     if missing or mismatched:
         shown = ", ".join([*missing, *mismatched][:5])
         raise UserInputError(
-            f"policy.model.hf_path {path!r}: the folder's weights do not match the model "
+            f"policy.model_name {path!r}: the folder's weights do not match the model "
             f"({len(missing)} missing, {len(mismatched)} of another shape: {shown}); "
             "transformers would train a freshly initialised model instead"
         )

@@ -240,7 +240,7 @@ def fill_from_folder(model: nn.Module, path: str, device: torch.device) -> dict[
             f" (and {len(absent) - 3} more)" if len(absent) > 3 else ""
         )
         raise UserInputError(
-            f"policy.model.hf_path {path!r}: the folder's weights do not cover the model "
+            f"policy.model_name {path!r}: the folder's weights do not cover the model "
             f"({len(absent)} parameters missing: {shown})"
         )
     params = dict(model.named_parameters())
@@ -254,7 +254,7 @@ def fill_from_folder(model: nn.Module, path: str, device: torch.device) -> dict[
                 shape = rows.shape(stored)
                 if shape != tuple(param.shape):
                     raise UserInputError(
-                        f"policy.model.hf_path {path!r}: {stored} in {file.name} has shape "
+                        f"policy.model_name {path!r}: {stored} in {file.name} has shape "
                         f"{list(shape)}, the model expects {list(param.shape)}"
                     )
                 if local.numel():

@@ -1,5 +1,5 @@
 """The policy model: a small decoder-only transformer that understands packed rows (or, with
-``kind: hf``, a pretrained Hugging Face model: `runtime.policy.hf_model`).
+``policy.model_name``, a pretrained Hugging Face model: `runtime.policy.hf_model`).
 
 A row may hold several packed samples (``segment_ids`` 0, 1, ...) and padding (-1). Each
 token attends causally to earlier tokens of its own segment only, so a packed sample gives
@@ -77,7 +77,7 @@ class TinyTransformer(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
-        # policy.parallel.activation_checkpointing: recompute each block in the backward pass
+        # policy.dtensor_cfg.activation_checkpointing: recompute each block in the backward pass
         self.checkpoint_blocks = False
 
     @staticmethod
@@ -110,23 +110,26 @@ class TinyTransformer(nn.Module):
 
 
 def build_model(
-    cfg: ModelConfig, *, sharded: bool = False, dtype: torch.dtype = torch.float32
+    cfg: ModelConfig,
+    model_name: str | None = None,
+    *,
+    sharded: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """The model ``policy.model`` names: our transformer, or a pretrained HF causal LM whose
+    """The pretrained HF causal LM in the folder ``model_name`` (``policy.model_name``), or
+    with none our transformer of ``policy.model``'s sizes; a pretrained model's
     parameters are ``dtype`` (a frozen LoRA base may be stored in bfloat16).
     ``sharded`` (FSDP): an HF model comes as a skeleton whose parameters are on the meta
     device, to be filled with this rank's slices once sharded (`hf_shards`), wherever its
     folder can be read in slices."""
-    if cfg.kind == "hf":
+    if model_name is not None:
         from sft_runtime.runtime.policy import hf_shards
         from sft_runtime.runtime.policy.hf_model import load_hf_model
 
-        assert cfg.hf_path is not None  # the config requires it
-        if sharded and hf_shards.can_slice(cfg.hf_path):
-            return hf_shards.skeleton(
-                cfg.hf_path, attn_implementation=cfg.attn_implementation, dtype=dtype
-            )
-        return load_hf_model(cfg.hf_path, attn_implementation=cfg.attn_implementation, dtype=dtype)
+        attn = cfg.attn_implementation
+        if sharded and hf_shards.can_slice(model_name):
+            return hf_shards.skeleton(model_name, attn_implementation=attn, dtype=dtype)
+        return load_hf_model(model_name, attn_implementation=attn, dtype=dtype)
     return TinyTransformer(cfg)
 
 

@@ -152,7 +152,7 @@ def check_packed_attention(config: Any, hf_path: str) -> None:
         return  # an unknown class is refused with its own message where it is loaded
     if not getattr(model_class, "_supports_attention_backend", False):
         raise UserInputError(
-            f"policy.model.hf_path {hf_path!r}: {model_class.__name__} does not take "
+            f"policy.model_name {hf_path!r}: {model_class.__name__} does not take "
             "transformers' attention interface, so packed rows cannot keep their samples "
             "apart: set policy.sequence_packing.enabled=false"
         )

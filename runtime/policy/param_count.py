@@ -41,22 +41,21 @@ def count_parameters(policy: PolicyConfig) -> ParameterCount:
 
     model_cfg = policy.model
     with torch.device("meta"):
-        if model_cfg.kind == "hf":
+        if policy.model_name is not None:
             from transformers import AutoModelForCausalLM
 
             from sft_runtime.runtime.policy.hf_model import hf_config
 
-            assert model_cfg.hf_path is not None  # the config requires it
-            model = AutoModelForCausalLM.from_config(hf_config(model_cfg.hf_path))
+            model = AutoModelForCausalLM.from_config(hf_config(policy.model_name))
         else:
             model = TinyTransformer(model_cfg)
-    if policy.lora.enabled:
+    if policy.dtensor_cfg.lora_cfg.enabled:
         from sft_runtime.runtime.lora.adapters import add_adapters
 
-        add_adapters(model, policy.lora, seed=0)
+        add_adapters(model, policy.dtensor_cfg.lora_cfg, seed=0)
     params = list(model.parameters())
     return ParameterCount(
         trainable=sum(p.numel() for p in params if p.requires_grad),
         total=sum(p.numel() for p in params),
-        lora=policy.lora.enabled,
+        lora=policy.dtensor_cfg.lora_cfg.enabled,
     )

@@ -13,7 +13,7 @@ Until `finish` reaches the optimizer, `abort` drops the gradients and leaves wei
 optimizer state and step count exactly as they were. Replicas start from the same seed and
 apply the same summed gradients, so they stay bitwise identical.
 
-With ``policy.parallel.fsdp`` (`shard`, `runtime.policy.fsdp`) each rank holds a slice of
+With ``policy.dtensor_cfg.enabled`` (`shard`, `runtime.policy.fsdp`) each rank holds a slice of
 the model instead: `train` becomes a collective too (parameters gathered, gradients
 reduce-scattered, in step with the other ranks), `finish` all-reduces only the loss and the
 ready flags, and checkpoints are every rank's shards (`save_shards`, `load_shards`).
@@ -65,20 +65,27 @@ class Replica(ReplicaState):
         self.policy = policy
         self.device = device
         self.seed = seed
-        lora = policy.lora.enabled
+        lora = policy.dtensor_cfg.lora_cfg.enabled
         # a frozen LoRA base may be stored in the training precision: it gets no optimizer
         base_dtype = torch.bfloat16 if lora and policy.precision == "bfloat16" else torch.float32
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # same initial weights on every rank
-            self.model = build_model(policy.model, sharded=policy.parallel.fsdp, dtype=base_dtype)
+            self.model = build_model(
+                policy.model,
+                policy.model_name,
+                sharded=policy.dtensor_cfg.enabled,
+                dtype=base_dtype,
+            )
             # the layers peft adapts (None: a full fine-tune); see runtime.lora
-            self.lora_targets = add_adapters(self.model, policy.lora, seed=seed) if lora else None
-        if not policy.parallel.fsdp:
+            self.lora_targets = (
+                add_adapters(self.model, policy.dtensor_cfg.lora_cfg, seed=seed) if lora else None
+            )
+        if not policy.dtensor_cfg.enabled:
             self.model.to(device)
         # sharded, the model waits in host memory (a pretrained one as a skeleton with no
         # parameter storage, `hf_shards`): `fully_shard` keeps only this rank's slice of each
         # parameter, so neither the host nor a device ever holds it whole
-        if policy.parallel.activation_checkpointing:
+        if policy.dtensor_cfg.activation_checkpointing:
             fsdp.enable_activation_checkpointing(self.model)
         self.sharded = False
         self.start_read: dict[str, int] | None = None  # elements of the model read at start
@@ -97,15 +104,15 @@ class Replica(ReplicaState):
         worker calls it once it has joined. The optimizer is made anew over the shards."""
         if self.steps_done or self._open is not None:
             raise RuntimeError("shard the replica before its first step")
-        mesh = fsdp.build_mesh(self.policy.parallel, world_size, self.device)
-        fsdp.shard_model(self.model, self.policy.parallel, mesh)
+        mesh = fsdp.build_mesh(self.policy.dtensor_cfg, world_size, self.device)
+        fsdp.shard_model(self.model, self.policy.dtensor_cfg, mesh)
         if any(p.is_meta for p in self.model.parameters()):  # a skeleton: read our slices
             from sft_runtime.runtime.policy.hf_shards import fill_from_folder
 
-            assert self.policy.model.hf_path is not None
-            self.start_read = fill_from_folder(self.model, self.policy.model.hf_path, self.device)
+            assert self.policy.model_name is not None
+            self.start_read = fill_from_folder(self.model, self.policy.model_name, self.device)
             if self.lora:
-                init_adapters(self.model, self.policy.lora, seed=self.seed)
+                init_adapters(self.model, self.policy.dtensor_cfg.lora_cfg, seed=self.seed)
         self.sharded = True
         self._make_optimizer()
 

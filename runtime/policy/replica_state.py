@@ -65,7 +65,7 @@ class ReplicaState:
 
     @property
     def is_hf(self) -> bool:
-        return self.policy.model.kind == "hf"
+        return self.policy.is_hf
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state plus the schedule's step count; loadable with

@@ -131,7 +131,7 @@ class PolicyWorkerBase(LoaderOwner):
             timeout_s=self.cluster.dist_timeout_s,
             store=store,
         )
-        if self.policy.parallel.fsdp:
+        if self.policy.dtensor_cfg.enabled:
             self.replica.shard(self.world_size)
         return {"rank": self.rank, "backend": backend, "sharded": self.replica.sharded}
 

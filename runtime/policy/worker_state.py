@@ -179,10 +179,10 @@ class WorkerState:
     def _lora_record(self) -> bytes:
         """``lora.json`` of this run: the base's digest is taken once, when first saved."""
         if self._base_digest is None:
-            self._base_digest = weights_digest(self.policy.model.hf_path)
-        lora = self.policy.lora
+            self._base_digest = weights_digest(self.policy.model_name)
+        lora = self.policy.dtensor_cfg.lora_cfg
         return base_record(
-            self.policy.model.hf_path,
+            self.policy.model_name,
             self._base_digest,
             self.replica.lora_targets,
             lora.model_dump(),
@@ -216,7 +216,7 @@ class WorkerState:
                 self.replica.load_trainer_state(ckpt.load_torch(path, "trainer state"))
         elif sharded.is_sharded(weights_path):
             raise UserInputError(
-                f"{weights_path}: a sharded checkpoint (policy.parallel.fsdp=true); resume "
+                f"{weights_path}: a sharded checkpoint (policy.dtensor_cfg.enabled=true); resume "
                 "with that setting, or export it and start from the export"
             )
         else:

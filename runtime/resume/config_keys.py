@@ -4,7 +4,7 @@ A resume is bit-exact only when every key that shapes a step's numbers has the v
 checkpoint was trained with. Each leaf key of `MasterConfig` is one of:
 
 - ``shape``: the checkpoint's weights (or adapters) only fit a model of these values; a
-  change can never resume, whatever the user allows (``parallel.fsdp`` decides the weights'
+  change can never resume, whatever the user allows (``dtensor_cfg.enabled`` decides the weights'
   layout on disk, so it is one too).
 - ``compute``: a change trains on, but no longer as the checkpoint's run would have: the
   batch layout, sequence handling, data order, precision, seed, threads, validation.
@@ -41,39 +41,37 @@ def _all(kind: Kind, *keys: str) -> dict[str, Kind]:
 KEY_KINDS: dict[str, Kind] = {
     **_all(
         SHAPE,
-        "policy.model.kind",
         "policy.model.vocab_size",
         "policy.model.d_model",
         "policy.model.n_layers",
         "policy.model.n_heads",
         "policy.model.max_seq_len",
-        "policy.model.hf_path",  # by its config.json: the architecture the weights fit
-        "policy.parallel.fsdp",
-        "policy.lora.enabled",
-        "policy.lora.target_modules",
-        "policy.lora.exclude_modules",
-        "policy.lora.match_all_linear",
-        "policy.lora.dim",
+        "policy.model_name",  # by its config.json: the architecture the weights fit
+        "policy.dtensor_cfg.enabled",
+        "policy.dtensor_cfg.lora_cfg.enabled",
+        "policy.dtensor_cfg.lora_cfg.target_modules",
+        "policy.dtensor_cfg.lora_cfg.exclude_modules",
+        "policy.dtensor_cfg.lora_cfg.match_all_linear",
+        "policy.dtensor_cfg.lora_cfg.dim",
     ),
     **_all(
         COMPUTE,
         "policy.model.dropout",
         "policy.model.attn_implementation",
-        "policy.tokenizer.name",
-        "policy.tokenizer.path",  # by its files: the token ids and the chat template
+        "policy.tokenizer.name",  # by its files: the token ids and the chat template
         "policy.tokenizer.chat_template",
         "policy.tokenizer.chat_template_kwargs",
         "policy.train_global_batch_size",
         "policy.train_micro_batch_size",
         "policy.make_sequence_length_divisible_by",
         "policy.precision",
-        "policy.parallel.param_dtype",
-        "policy.parallel.reduce_dtype",
-        "policy.parallel.activation_checkpointing",
-        "policy.parallel.replicate",
-        "policy.lora.alpha",
-        "policy.lora.dropout",
-        "policy.lora.dropout_position",
+        "policy.dtensor_cfg.param_dtype",
+        "policy.dtensor_cfg.reduce_dtype",
+        "policy.dtensor_cfg.activation_checkpointing",
+        "policy.dtensor_cfg.dp_replicate_size",
+        "policy.dtensor_cfg.lora_cfg.alpha",
+        "policy.dtensor_cfg.lora_cfg.dropout",
+        "policy.dtensor_cfg.lora_cfg.dropout_position",
         "policy.sequence_packing.enabled",
         "policy.sequence_packing.algorithm",
         "policy.sequence_packing.max_sequences_per_bin",
@@ -110,9 +108,33 @@ KEY_KINDS: dict[str, Kind] = {
     ),
     **_all(
         FREE,
-        "policy.parallel.reshard_after_forward",
-        "policy.lora.lora_A_init",
-        "policy.lora.use_triton",
+        "policy.dtensor_cfg.reshard_after_forward",
+        "policy.dtensor_cfg.lora_cfg.lora_A_init",
+        "policy.dtensor_cfg.lora_cfg.use_triton",
+        # NeMo RL's keys taken at the one value that turns nothing on (policy/config.py)
+        *(
+            f"policy.dtensor_cfg.{key}"
+            for key in (
+                "v2",
+                "cpu_offload",
+                "sequence_parallel",
+                "tensor_parallel_size",
+                "context_parallel_size",
+                "custom_parallel_plan",
+                "env_vars",
+                "automodel_kwargs",
+            )
+        ),
+        "policy.megatron_cfg.enabled",
+        "policy.dynamic_batching.enabled",
+        "policy.dynamic_batching.train_mb_tokens",
+        "policy.dynamic_batching.logprob_mb_tokens",
+        "policy.dynamic_batching.sequence_length_round",
+        "policy.offload_optimizer_for_logprob",
+        # a bound and a default of data.max_input_seq_length, which is compared itself
+        "policy.max_total_sequence_length",
+        "policy.sequence_packing.train_mb_tokens",  # only its one value is taken
+        "policy.sequence_packing.sequence_length_round",  # pads no row here
         "data.skip_bad_samples",
         # a data file is judged by the data set prepared from it (data.*.path, by content)
         *(
@@ -142,6 +164,16 @@ KEY_KINDS: dict[str, Kind] = {
         "logger.jsonl",
         "logger.tensorboard_enabled",
         "logger.tensorboard.log_dir",
+        "logger.wandb_enabled",
+        "logger.mlflow_enabled",
+        "logger.swanlab_enabled",
+        "logger.monitor_gpus",
+        *(f"logger.wandb.{k}" for k in ("project", "name", "entity", "group", "tags")),
+        *(f"logger.mlflow.{k}" for k in ("experiment_name", "run_name", "tracking_uri")),
+        "logger.swanlab.project",
+        "logger.swanlab.name",
+        "logger.gpu_monitoring.collection_interval",
+        "logger.gpu_monitoring.flush_interval",
         "cluster.address",
         "cluster.cpus_per_worker",
         "cluster.placement_strategy",
@@ -180,8 +212,8 @@ KEY_KINDS: dict[str, Kind] = {
 IDENTITY_KEYS: dict[str, str] = {
     "data.train.path": "data set",
     "data.validation.path": "data set",
-    "policy.model.hf_path": "model config",
-    "policy.tokenizer.path": "tokenizer",
+    "policy.model_name": "model config",
+    "policy.tokenizer.name": "tokenizer",
 }
 """Keys naming a path whose content, not its spelling, is the input (see input_identity.py)."""
 

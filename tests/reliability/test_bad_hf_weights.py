@@ -50,7 +50,7 @@ def _assert_refused(done: subprocess.CompletedProcess, run_dir: Path, named: Pat
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr[-3000:]
-    assert lines[0].startswith("sft-runtime train: error: policy.model.hf_path: ")
+    assert lines[0].startswith("sft-runtime train: error: policy.model_name: ")
     assert str(named) in lines[0] and "Traceback" not in done.stderr + done.stdout
     assert not (run_dir / "events.jsonl").exists()
     return lines[0]

@@ -15,7 +15,7 @@ from tests.support.fixtures import hf_overrides
 from tests.support.reliability import BIN, STEPS
 from tests.support.small_run import small_raw
 
-LORA = ("policy.lora.enabled=true",)
+LORA = ("policy.dtensor_cfg.lora_cfg.enabled=true",)
 
 
 def _train(tmp_path: Path, demo_data: Path, *overrides: str, env: dict | None = None):
@@ -38,25 +38,41 @@ def _train(tmp_path: Path, demo_data: Path, *overrides: str, env: dict | None = 
 
 def test_lora_on_the_built_in_transformer(demo_data, tmp_path):
     err = _train(tmp_path, demo_data, *LORA)
-    assert "policy.lora.enabled=true needs a pretrained Hugging Face model" in err
+    assert "policy.dtensor_cfg.lora_cfg.enabled=true needs a pretrained Hugging Face model" in err
 
 
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
         (
-            ("policy.lora.match_all_linear=false", "policy.lora.target_modules=[qproj]"),
-            "policy.lora.target_modules[0]='qproj' matches no linear layer",
-        ),
-        (("policy.lora.exclude_modules=[mlp.gate]",), "policy.lora.exclude_modules[0]"),
-        (("policy.lora.dim=0",), "policy.lora.dim: Input should be greater than or equal to 1"),
-        (
-            ("policy.lora.dropout=0.1", "policy.lora.dropout_position=post"),
-            "policy.lora.dropout_position='post'",
+            (
+                "policy.dtensor_cfg.lora_cfg.match_all_linear=false",
+                "policy.dtensor_cfg.lora_cfg.target_modules=[qproj]",
+            ),
+            "policy.dtensor_cfg.lora_cfg.target_modules[0]='qproj' matches no linear layer",
         ),
         (
-            ("policy.lora.target_modules=[q_proj]", "policy.lora.exclude_modules=[k_proj]"),
-            "policy.lora.target_modules and policy.lora.exclude_modules are exclusive",
+            ("policy.dtensor_cfg.lora_cfg.exclude_modules=[mlp.gate]",),
+            "policy.dtensor_cfg.lora_cfg.exclude_modules[0]",
+        ),
+        (
+            ("policy.dtensor_cfg.lora_cfg.dim=0",),
+            "policy.dtensor_cfg.lora_cfg.dim: Input should be greater than or equal to 1",
+        ),
+        (
+            (
+                "policy.dtensor_cfg.lora_cfg.dropout=0.1",
+                "policy.dtensor_cfg.lora_cfg.dropout_position=post",
+            ),
+            "policy.dtensor_cfg.lora_cfg.dropout_position='post'",
+        ),
+        (
+            (
+                "policy.dtensor_cfg.lora_cfg.target_modules=[q_proj]",
+                "policy.dtensor_cfg.lora_cfg.exclude_modules=[k_proj]",
+            ),
+            "policy.dtensor_cfg.lora_cfg.target_modules and "
+            "policy.dtensor_cfg.lora_cfg.exclude_modules are exclusive",
         ),
     ],
     ids=["target-matches-nothing", "exclude-matches-nothing", "dim-0", "post-dropout", "both"],
@@ -72,5 +88,5 @@ def test_lora_without_peft_installed_names_the_install_line(demo_data, tiny_llam
     (hidden / "peft" / "__init__.py").write_text("raise ImportError('No module named peft')\n")
     path = os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")])
     err = _train(tmp_path, demo_data, *hf_overrides(tiny_llama), *LORA, env={"PYTHONPATH": path})
-    assert "policy.lora.enabled=true needs the peft package" in err
+    assert "policy.dtensor_cfg.lora_cfg.enabled=true needs the peft package" in err
     assert "pip install 'sft-runtime[lora]'" in err

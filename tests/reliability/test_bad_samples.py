@@ -102,8 +102,7 @@ def test_a_refused_sample_stops_the_run_naming_it_and_a_resume_can_skip_it(
     good = _prepare(chats, tmp_path / "good")
     ray_tmp, tag = launch_env
     overrides = (
-        "policy.model.kind=hf",
-        f"policy.model.hf_path={gemma_model}",
+        f"policy.model_name={gemma_model}",
         "data.max_input_seq_length=128",
         "checkpointing.save_period=2",
     )
@@ -155,8 +154,7 @@ def test_overlong_samples_are_weighted_zero_counted_and_reported(
     assert template != LLAMA3_TEMPLATE
     ray_tmp, tag = launch_env
     overrides = (
-        "policy.model.kind=hf",
-        f"policy.model.hf_path={tiny_llama}",
+        f"policy.model_name={tiny_llama}",
         f"data.max_input_seq_length={LIMIT}",
         "policy.sequence_packing.enabled=true",
         "checkpointing.save_period=1",  # `samples` replays a step from the checkpoint before

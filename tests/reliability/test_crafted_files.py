@@ -35,9 +35,13 @@ from tests.support.small_run import small_config
 
 STEPS = 3  # checkpoints at 2 (hf_overrides' save_period) and 3 (the end)
 CHECKPOINTS = (2, 3)
-LORA = ("policy.lora.enabled=true", "policy.lora.dim=4", "policy.lora.alpha=8")
+LORA = (
+    "policy.dtensor_cfg.lora_cfg.enabled=true",
+    "policy.dtensor_cfg.lora_cfg.dim=4",
+    "policy.dtensor_cfg.lora_cfg.alpha=8",
+)
 ONE_WORKER = ("cluster.workers_per_node=1",)
-SHARDED = ("policy.parallel.fsdp=true",)
+SHARDED = ("policy.dtensor_cfg.enabled=true",)
 SUBPROCESS_TIMEOUT_S = 300.0
 
 
@@ -138,7 +142,7 @@ def _crafted(run_dir: Path, tmp_path: Path, how: str) -> tuple[Path, Path, Path]
             assert (folder / ".metadata").is_file()  # a sharded checkpoint's real one
         (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
         if how == "claimed":
-            _set_in_config(_checkpoint(run, step), "policy.parallel", "fsdp", True)
+            _set_in_config(_checkpoint(run, step), "policy.dtensor_cfg", "fsdp", True)
     return run, config, marker
 
 
@@ -147,7 +151,7 @@ def test_a_metadata_pickle_beside_unsharded_weights_is_refused(lora_run, tmp_pat
     run, config, marker = _crafted(lora_run, tmp_path, "dropped")
     line = _refused(_argv(command, run, config, tmp_path), capsys)
     assert "policy/weights" in line and "sharded" in line, line
-    assert "policy.parallel.fsdp=false" in line, line
+    assert "policy.dtensor_cfg.enabled=false" in line, line
     assert not marker.exists(), "the crafted pickle ran"
 
 

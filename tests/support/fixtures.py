@@ -319,8 +319,7 @@ def hf_overrides(folder: Path) -> tuple[str, ...]:
     """The small run's config on a Hugging Face model folder, packed as `examples/hf.yaml`
     is (so exact resume and FSDP are proven on the packed attention path)."""
     return (
-        "policy.model.kind=hf",
-        f"policy.model.hf_path={folder}",
+        f"policy.model_name={folder}",
         "data.max_input_seq_length=128",
         "policy.sequence_packing.enabled=true",
         "policy.optimizer.kwargs.lr=1e-3",

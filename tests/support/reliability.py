@@ -28,7 +28,7 @@ from sft_runtime.events import compare_reexecutions, read_log, records_in_effect
 
 BIN = Path(sys.executable).parent / "sft-runtime"
 PREFETCH = ("data_plane.max_partitions=2",)  # read-ahead on: the same run, bit for bit
-FSDP = ("policy.parallel.fsdp=true",)  # sharded: its own reference (sums in another order)
+FSDP = ("policy.dtensor_cfg.enabled=true",)  # sharded: its own reference (sums in another order)
 STEPS = 7  # checkpoints every 3 steps: 3, 6 and the final 7
 TAG_VAR = "SFT_RELIABILITY_TAG"
 LAUNCH_TIMEOUT_S = 300.0

@@ -16,7 +16,7 @@ PACKING = {"packing_algorithm": "first_fit_decreasing"}
 
 
 def _spec(folder, chat_template: str | None = None) -> TokenizerSpec:
-    return TokenizerSpec(name="huggingface", path=str(folder), chat_template=chat_template)
+    return TokenizerSpec(name=str(folder), chat_template=chat_template or "default")
 
 
 @pytest.mark.parametrize(

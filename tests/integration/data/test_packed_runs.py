@@ -58,7 +58,7 @@ def test_packed_and_unpacked_runs_of_the_same_conversations_agree(
 ):
     ranks = _rows_per_rank(tmp_path, demo_data)
     assert ranks[0] != ranks[1]  # some step gives one rank more micro-batches than the other
-    extra = ("policy.parallel.fsdp=true",) if layout == "fsdp" else ()
+    extra = ("policy.dtensor_cfg.enabled=true",) if layout == "fsdp" else ()
     plain, plain_rows = _run(tmp_path, demo_data, "plain", *extra)
     packed, packed_rows = _run(
         tmp_path, demo_data, "packed", "policy.sequence_packing.enabled=true", *extra

@@ -83,8 +83,7 @@ def tiny_qwen3(tmp_path_factory, reasoning_chats) -> Path:
 
 def _tokenizer_overrides(folder: Path) -> tuple[str, ...]:
     return (
-        "policy.tokenizer.name=huggingface",
-        f"policy.tokenizer.path={folder}",
+        f"policy.tokenizer.name={folder}",
         "policy.tokenizer.chat_template_kwargs={enable_thinking: false}",
     )
 
@@ -158,7 +157,7 @@ def test_a_state_saved_under_other_template_variables_is_refused(
     data = str(reasoning_chats[0])
 
     def spec(kwargs):
-        return TokenizerSpec(name="huggingface", path=str(tiny_qwen3), chat_template_kwargs=kwargs)
+        return TokenizerSpec(name=str(tiny_qwen3), chat_template_kwargs=kwargs)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

@@ -21,9 +21,9 @@ def test_training_moves_the_adapters_and_leaves_the_base_bitwise_as_stored(preci
     digest = weights_digest(tiny_llama)
     policy = PolicyConfig.model_validate(
         {
-            "model": {"kind": "hf", "hf_path": str(tiny_llama)},
+            "model_name": str(tiny_llama),
             "precision": precision,
-            "lora": {"enabled": True, "dim": 4, "lora_A_init": "uniform"},
+            "dtensor_cfg": {"lora_cfg": {"enabled": True, "dim": 4, "lora_A_init": "uniform"}},
             "train_global_batch_size": 4,
             "train_micro_batch_size": 2,
         }

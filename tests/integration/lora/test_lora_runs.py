@@ -37,9 +37,13 @@ from tests.support.reliability import (
 )
 from tests.support.small_run import small_config
 
-LORA = ("policy.lora.enabled=true", "policy.lora.dim=4", "policy.lora.alpha=8")
+LORA = (
+    "policy.dtensor_cfg.lora_cfg.enabled=true",
+    "policy.dtensor_cfg.lora_cfg.dim=4",
+    "policy.dtensor_cfg.lora_cfg.alpha=8",
+)
 ONE_WORKER = ("cluster.workers_per_node=1",)
-SHARDED = ("policy.parallel.fsdp=true",)
+SHARDED = ("policy.dtensor_cfg.enabled=true",)
 KILL = "stepping:after_train@4"  # step 4 trained, never committed; checkpoints at 2, 4, 5
 
 
@@ -105,8 +109,12 @@ def _peft_loop_losses(run_dir: Path, folder: Path) -> list[float]:
     policy = config.policy
     targets = json.loads((weights_path(run_dir, HF_STEPS) / BASE_FILE).read_text())
     base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    model = get_peft_model(base, peft_config(policy.lora, targets["target_modules"]))
-    init_adapters(model.base_model.model, policy.lora, seed=config.sft.seed)  # the run's start
+    model = get_peft_model(
+        base, peft_config(policy.dtensor_cfg.lora_cfg, targets["target_modules"])
+    )
+    init_adapters(
+        model.base_model.model, policy.dtensor_cfg.lora_cfg, seed=config.sft.seed
+    )  # the run's start
     params = [p for p in model.parameters() if p.requires_grad]
     assert policy.optimizer.name == "torch.optim.AdamW" and policy.scheduler is None
     optimizer = torch.optim.AdamW(params, **policy.optimizer.kwargs)
@@ -202,7 +210,7 @@ def _runtime_logits(run_dir: Path, folder: Path, ids: torch.Tensor) -> torch.Ten
 
     config = load_config(weights_path(run_dir, HF_STEPS).parents[1] / "config.yaml")
     model = load_hf_model(str(folder))
-    add_adapters(model, config.policy.lora, seed=config.sft.seed)
+    add_adapters(model, config.policy.dtensor_cfg.lora_cfg, seed=config.sft.seed)
     adapters = read_all(weights_path(run_dir, HF_STEPS))
     assert not any(
         torch.equal(model.state_dict()[k], v) for k, v in adapters.items() if "lora_B" in k

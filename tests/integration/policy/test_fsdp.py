@@ -1,4 +1,4 @@
-"""FSDP2 policy workers (``policy.parallel.fsdp``) on a real local Ray with real gloo.
+"""FSDP2 policy workers (``policy.dtensor_cfg.enabled``) on a real local Ray with real gloo.
 
 The same synthetic batches and config as the data-parallel tests, sharded over 2 CPU
 workers: losses agree with the single-process ground truth (which the DP group matches to
@@ -34,7 +34,9 @@ STEPS, SAVE_AT, WORLD = 10, 5, 2
 
 @pytest.fixture(scope="module")
 def fsdp_policy(policy_cfg):
-    return type(policy_cfg).model_validate({**policy_cfg.model_dump(), "parallel": {"fsdp": True}})
+    return type(policy_cfg).model_validate(
+        {**policy_cfg.model_dump(), "dtensor_cfg": {"enabled": True}}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +132,7 @@ def test_resume_from_the_sharded_checkpoint_is_bitwise_exact(
     want = sharded["weights"][0]
     assert all(torch.equal(weights[k], want[k]) for k in want)
     # an unsharded group refuses the sharded files instead of misreading them
-    with pytest.raises(UserInputError, match="policy.parallel.fsdp=true"):
+    with pytest.raises(UserInputError, match="policy.dtensor_cfg.enabled=true"):
         PolicyWorkerGroup(policy_cfg, cluster_cfg, name="test-fsdp-wrong", restore=restore)
 
 
@@ -166,10 +168,10 @@ def test_abort_and_a_failing_loss_leave_the_shards_bitwise_unchanged(sharded):
 def test_a_replicate_by_shard_mesh_trains_like_the_ground_truth(
     ray_session, policy_cfg, cluster_cfg
 ):
-    """``replicate: 2`` over 2 workers: a 2 x 1 mesh (HSDP), each rank a whole replica
+    """``dp_replicate_size: 2`` over 2 workers: a 2 x 1 mesh (HSDP), each rank a whole replica
     whose gradients are all-reduced over the replicate dimension."""
     policy = type(policy_cfg).model_validate(
-        {**policy_cfg.model_dump(), "parallel": {"fsdp": True, "replicate": 2}}
+        {**policy_cfg.model_dump(), "dtensor_cfg": {"enabled": True, "dp_replicate_size": 2}}
     )
     group = PolicyWorkerGroup(policy, cluster_cfg, seed=0, name="test-hsdp")
     try:

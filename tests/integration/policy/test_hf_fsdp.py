@@ -2,7 +2,7 @@
 into one model folder, load it with transformers, start a run of another world size from it.
 
 The tiny Llama of `tests.support.hf_models` on the demo chats, as in test_hf_training.py,
-with ``policy.parallel.fsdp=true`` over 2 CPU workers (gloo).
+with ``policy.dtensor_cfg.enabled=true`` over 2 CPU workers (gloo).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.support.fixtures import HF_STEPS, hf_overrides
 from tests.support.reliability import committed
 from tests.support.small_run import small_config
 
-SHARDED = ("policy.parallel.fsdp=true", "policy.parallel.activation_checkpointing=true")
+SHARDED = ("policy.dtensor_cfg.enabled=true", "policy.dtensor_cfg.activation_checkpointing=true")
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_a_sharded_checkpoint_starts_a_run_of_another_world_size(
     # resuming the sharded run itself unsharded is refused before Ray starts, naming the key
     raw = ["train", "--run-dir", str(sharded_run), str(_config_file(sharded_run, tmp_path))]
     assert cli_main(raw) == 2
-    assert "policy.parallel.fsdp" in capsys.readouterr().err
+    assert "policy.dtensor_cfg.enabled" in capsys.readouterr().err
 
 
 def _config_file(run_dir: Path, tmp_path: Path) -> Path:
@@ -179,8 +179,8 @@ def _config_file(run_dir: Path, tmp_path: Path) -> Path:
     config = yaml.safe_load(
         (run_dir / "checkpoints" / f"step_{HF_STEPS}" / "config.yaml").read_text()
     )
-    config["policy"]["parallel"]["fsdp"] = False
-    config["policy"]["parallel"]["activation_checkpointing"] = False
+    config["policy"]["dtensor_cfg"]["enabled"] = False
+    config["policy"]["dtensor_cfg"]["activation_checkpointing"] = False
     config["sft"]["max_num_steps"] = HF_STEPS + 2
     path = tmp_path / "unsharded.yaml"
     path.write_text(yaml.safe_dump(config))

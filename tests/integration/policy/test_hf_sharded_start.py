@@ -1,7 +1,7 @@
 """A sharded start from hub-like folders: bf16 weights in several safetensors files under an
 index, a tiny Llama and a tiny Qwen2 whose LM head is tied to its embedding.
 
-With ``policy.parallel.fsdp=true`` each of the 2 workers builds the model on the meta device,
+With ``policy.dtensor_cfg.enabled=true`` each of the 2 workers builds the model on the meta device,
 shards it and reads only its rows of each tensor (`runtime.policy.hf_shards`). That the rows
 are today's whole load, slice for slice, is tests/unit/policy/test_hf_shards.py's; here the
 runs themselves: 5 sharded steps agree with the unsharded run of the same folder (both load
@@ -31,7 +31,7 @@ from tests.support.reliability import (
 )
 from tests.support.small_run import small_config
 
-SHARDED = ("policy.parallel.fsdp=true",)
+SHARDED = ("policy.dtensor_cfg.enabled=true",)
 INDEX = "model.safetensors.index.json"
 EMBEDDING = "model.embed_tokens.weight"
 MAX_SHARD = "40KB"  # smaller than the embedding alone (400-512 x 64 in bf16): 6+ files

@@ -93,11 +93,10 @@ def launches():
 def _overrides(model: Path) -> tuple[str, ...]:
     """The small run's config on the real model: the demo's LoRA, short rows."""
     return (
-        "policy.model.kind=hf",
-        f"policy.model.hf_path={model}",
+        f"policy.model_name={model}",
         "policy.precision=bfloat16",
-        "policy.lora.enabled=true",
-        "policy.lora.dim=16",
+        "policy.dtensor_cfg.lora_cfg.enabled=true",
+        "policy.dtensor_cfg.lora_cfg.dim=16",
         "policy.optimizer.kwargs.lr=1e-3",
         "data.max_input_seq_length=128",
         "checkpointing.save_period=2",
@@ -180,7 +179,7 @@ def test_the_export_loads_in_transformers_with_the_trained_logits(reference, smo
 
     # the model the workers built, in float32: fresh adapters (B = 0) leave the base as it
     # was; then the checkpoint's adapters go in
-    lora = load_config(reference.config).policy.lora
+    lora = load_config(reference.config).policy.dtensor_cfg.lora_cfg
     trained = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
     add_adapters(trained, lora, seed=0)
     with torch.no_grad():
@@ -224,4 +223,4 @@ def test_a_resume_after_a_kill_is_bit_for_bit(
     assert result.mismatches == [], "\n".join(result.mismatches)
     assert result.steps_compared == STEPS and result.reexecuted >= 1  # step 3, at least
     config = yaml.safe_load(runner.config.read_text())
-    assert config["policy"]["model"]["hf_path"] == str(smollm2)
+    assert config["policy"]["model_name"] == str(smollm2)

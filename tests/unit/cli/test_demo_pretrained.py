@@ -30,7 +30,7 @@ def test_examples_demo_smollm2_yaml_is_the_demo_config(tmp_path, monkeypatch):
         Path("runs/smollm2-yaml"), Path("runs/demo-smollm2/data"), "models/SmolLM2-135M-Instruct"
     )
     assert example.model_dump() == built.model_dump()
-    assert built.policy.lora.enabled and built.cluster.world_size == 2
+    assert built.policy.dtensor_cfg.lora_cfg.enabled and built.cluster.world_size == 2
     assert built.data.validation is not None and built.checkpointing.enabled
 
 

@@ -58,9 +58,9 @@ def test_max_train_steps_is_the_smaller_budget():
         ("policy.model.max_seq_len", "32", "policy.model.max_seq_len"),
         ("sft.max_num_steps", "0", "sft.max_num_steps"),
         ("cluster.num_nodes", "2", "checkpointing.checkpoint_dir"),
-        ("policy.parallel.param_dtype", "bfloat16", "policy.parallel.fsdp is false"),
-        ("policy.parallel.replicate", "2", "policy.parallel.replicate"),
-        ("policy.parallel.reduce_dtype", "float16", "policy.parallel.reduce_dtype"),
+        ("policy.dtensor_cfg.param_dtype", "bfloat16", "policy.dtensor_cfg.enabled is false"),
+        ("policy.dtensor_cfg.dp_replicate_size", "2", "policy.dtensor_cfg.dp_replicate_size"),
+        ("policy.dtensor_cfg.reduce_dtype", "float16", "policy.dtensor_cfg.reduce_dtype"),
     ],
 )
 def test_each_rule_names_its_key(key, value, expected):
@@ -70,10 +70,19 @@ def test_each_rule_names_its_key(key, value, expected):
 
 
 def test_the_replicate_dimension_must_divide_the_data_parallel_size():
-    ok = validate_config(_raw(**{"policy.parallel.fsdp": "true", "policy.parallel.replicate": "2"}))
-    assert ok.policy.parallel.replicate == 2
-    with pytest.raises(UserInputError, match="policy.parallel.replicate=3 must divide"):
-        validate_config(_raw(**{"policy.parallel.fsdp": "true", "policy.parallel.replicate": "3"}))
+    ok = validate_config(
+        _raw(**{"policy.dtensor_cfg.enabled": "true", "policy.dtensor_cfg.dp_replicate_size": "2"})
+    )
+    assert ok.policy.dtensor_cfg.dp_replicate_size == 2
+    with pytest.raises(UserInputError, match="policy.dtensor_cfg.dp_replicate_size=3 must divide"):
+        validate_config(
+            _raw(
+                **{
+                    "policy.dtensor_cfg.enabled": "true",
+                    "policy.dtensor_cfg.dp_replicate_size": "3",
+                }
+            )
+        )
 
 
 def test_packing_needs_a_length_divisible_by_the_pad_multiple():
@@ -123,11 +132,12 @@ def test_examples_demo_yaml_matches_the_demo_config():
     built = demo_config(Path("runs/demo-yaml"), Path("data/demo"), steps=150)
     assert example.model_dump() == built.model_dump()
     load_config(ROOT / "examples" / "multinode.yaml")
-    assert load_config(ROOT / "examples" / "hf.yaml").policy.model.kind == "hf"
+    assert load_config(ROOT / "examples" / "hf.yaml").policy.is_hf
     sharded = load_config(ROOT / "examples" / "fsdp.yaml")
-    assert sharded.policy.parallel.fsdp and sharded.cluster.world_size == 8
+    assert sharded.policy.dtensor_cfg.enabled and sharded.cluster.world_size == 8
     lora = load_config(ROOT / "examples" / "lora.yaml").policy  # NeMo RL's block as is
-    assert lora.lora.enabled and lora.lora.dropout_position == "post" and lora.parallel.fsdp
+    adapters = lora.dtensor_cfg.lora_cfg
+    assert adapters.enabled and adapters.dropout_position == "post" and lora.dtensor_cfg.enabled
 
 
 @pytest.mark.parametrize(
@@ -154,7 +164,8 @@ def test_the_config_mappers_are_the_placement_plans():
 
 def _hf_raw(tokenizer: dict | None) -> dict:
     raw = small_raw(Path("run"), Path("data"), 3)
-    raw["policy"]["model"] = {"kind": "hf", "hf_path": "/models/tiny"}
+    raw["policy"].pop("model", None)
+    raw["policy"]["model_name"] = "/models/tiny"
     if tokenizer is not None:
         raw["policy"]["tokenizer"] = tokenizer
     return raw
@@ -170,13 +181,13 @@ def _hf_raw(tokenizer: dict | None) -> dict:
 )
 def test_a_tokenizer_block_that_names_no_tokenizer_is_the_models_own(block):
     tokenizer = validate_config(_hf_raw(block)).policy.tokenizer
-    assert tokenizer.name == "huggingface" and tokenizer.path == "/models/tiny"
+    assert tokenizer.name == "/models/tiny" and tokenizer.path == "/models/tiny"
     for key, value in block.items():
         assert getattr(tokenizer, key) == value
 
 
 def test_a_tokenizer_block_that_names_another_tokenizer_keeps_it():
-    block = {"name": "huggingface", "path": "/tokenizers/other", "chat_template": "x"}
+    block = {"name": "/tokenizers/other", "chat_template": "x"}
     assert validate_config(_hf_raw(block)).policy.tokenizer.path == "/tokenizers/other"
     with pytest.raises(UserInputError, match="policy.tokenizer.name is 'byte'"):
         validate_config(_hf_raw({"name": "byte"}))

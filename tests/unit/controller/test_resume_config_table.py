@@ -55,7 +55,7 @@ def test_every_key_of_the_config_is_classified_once():
     ("key", "kind"),
     [
         ("policy.model.d_model", SHAPE),
-        ("policy.model.hf_path", SHAPE),
+        ("policy.model_name", SHAPE),
         ("policy.train_micro_batch_size", COMPUTE),
         ("policy.train_global_batch_size", COMPUTE),
         ("policy.precision", COMPUTE),

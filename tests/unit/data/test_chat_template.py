@@ -60,7 +60,7 @@ def _own(folder: str):
 
 @functools.cache
 def _ours(folder: str, chat_template: str | None = None) -> HFChatTokenizer:
-    spec = TokenizerSpec(name="huggingface", path=folder, chat_template=chat_template)
+    spec = TokenizerSpec(name=folder, chat_template=chat_template or "default")
     tok = build_tokenizer(spec)
     assert isinstance(tok, HFChatTokenizer)
     return tok
@@ -173,7 +173,7 @@ def test_a_tokenizer_without_template_is_refused_then_accepted_from_the_spec(tmp
     folder = tmp_path / "bare"
     train_tokenizer(folder, ["user: hi", "assistant: hello"] * 20, template="none")
     with pytest.raises(UserInputError, match="policy.tokenizer.chat_template") as info:
-        build_tokenizer(TokenizerSpec(name="huggingface", path=str(folder)))
+        build_tokenizer(TokenizerSpec(name=str(folder)))
     assert str(folder) in str(info.value)
     tok = _ours(str(folder), CHATML_TEMPLATE)
     ids, mask = tok.encode_chat(CHAT)
@@ -257,7 +257,7 @@ def test_a_saved_tokenizer_renders_the_same_ids(folder, tmp_path, override):
     from transformers import AutoTokenizer
 
     variant = "{{- '# chat log\\n' -}}" + _own(folder).chat_template if override else None
-    spec = TokenizerSpec(name="huggingface", path=folder, chat_template=variant)
+    spec = TokenizerSpec(name=folder, chat_template=variant or "default")
     out = tmp_path / "policy" / "tokenizer"
     written = save_tokenizer(spec, out)
     assert all(Path(p).parent == out for p in written)

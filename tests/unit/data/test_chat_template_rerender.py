@@ -64,7 +64,7 @@ def _own(folder: str):
 
 def _ours(folder: str, kwargs: dict | None = None, template: str | None = None) -> HFChatTokenizer:
     spec = TokenizerSpec(
-        name="huggingface", path=folder, chat_template=template, chat_template_kwargs=kwargs
+        name=folder, chat_template=template or "default", chat_template_kwargs=kwargs
     )
     tok = build_tokenizer(spec)
     assert isinstance(tok, HFChatTokenizer)
@@ -272,13 +272,11 @@ def test_the_spec_refuses_variables_that_cannot_be_template_variables(qwen3):
     with pytest.raises(ValueError, match="chat_template_kwargs is only valid"):
         TokenizerSpec(chat_template_kwargs=NO_THINKING)
     with pytest.raises(ValueError, match="tokenize, tools are arguments of apply_chat"):
-        TokenizerSpec(
-            name="huggingface", path=qwen3, chat_template_kwargs={"tokenize": 1, "tools": []}
-        )
+        TokenizerSpec(name=qwen3, chat_template_kwargs={"tokenize": 1, "tools": []})
     with pytest.raises(ValueError, match="plain JSON"):
-        TokenizerSpec(name="huggingface", path=qwen3, chat_template_kwargs={"when": {1, 2}})
+        TokenizerSpec(name=qwen3, chat_template_kwargs={"when": {1, 2}})
     spec = TokenizerSpec.model_validate(
-        {"name": "huggingface", "path": qwen3, "chat_template_kwargs": {"enable_thinking": False}}
+        {"name": qwen3, "chat_template_kwargs": {"enable_thinking": False}}
     )
     assert spec.model_dump(mode="json")["chat_template_kwargs"] == NO_THINKING
 

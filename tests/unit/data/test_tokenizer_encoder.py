@@ -37,8 +37,10 @@ def test_byte_tokenizer_vocab_and_identity():
 
 
 def test_tokenizer_spec_rejects_bad_combinations():
-    with pytest.raises(ValueError, match="path is required"):
-        TokenizerSpec(name="huggingface")
+    with pytest.raises(ValueError, match="policy.tokenizer.name"):
+        TokenizerSpec(name="huggingface")  # the former spelling, refused naming NeMo RL's
+    with pytest.raises(ValueError, match="policy.tokenizer.name"):
+        TokenizerSpec.model_validate({"name": "byte", "path": "/tokenizers/x"})
     with pytest.raises(ValueError, match="extra"):
         TokenizerSpec(name="byte", vocab=3)
 

@@ -32,13 +32,13 @@ def test_a_hugging_face_tokenizers_files_are_copied_and_weights_are_not(tmp_path
     (source / "model.safetensors").write_bytes(b"\0" * 64)
     (source / "config.json").write_text("{}")
     out = tmp_path / "ckpt" / "policy" / "tokenizer"
-    spec = TokenizerSpec(name="huggingface", path=str(source))
+    spec = TokenizerSpec(name=str(source))
     written = save_tokenizer(spec, out)
     assert sorted(p.rsplit("/", 1)[1] for p in written) == sorted(files)
     assert {p.name: p.read_text() for p in out.iterdir()} == files
 
 
 def test_a_folder_without_tokenizer_files_is_named(tmp_path):
-    spec = TokenizerSpec(name="huggingface", path=str(tmp_path))
+    spec = TokenizerSpec(name=str(tmp_path))
     with pytest.raises(UserInputError, match=str(tmp_path)):
         save_tokenizer(spec, tmp_path / "out")

@@ -1,4 +1,5 @@
-"""Which layers `policy.lora` adapts, and which blocks it accepts: NeMo RL's own block as is,
+"""Which layers `policy.dtensor_cfg.lora_cfg` adapts, and which blocks it accepts: NeMo RL's
+own block as is,
 a tied LM head left out of "every linear layer", wildcard and short names."""
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def _model(tied: bool):
 
 def test_nemo_rls_block_copied_as_is_is_accepted():
     cfg = PolicyConfig.model_validate(
-        {"model": {"kind": "hf", "hf_path": "x"}, "lora": yaml.safe_load(NEMO_RL_BLOCK)}
-    ).lora
+        {"model_name": "x", "dtensor_cfg": {"lora_cfg": yaml.safe_load(NEMO_RL_BLOCK)}}
+    ).dtensor_cfg.lora_cfg
     assert (cfg.enabled, cfg.dim, cfg.scaling, cfg.match_all_linear) == (True, 8, 4.0, True)
 
 
@@ -72,8 +73,11 @@ def test_short_full_and_wildcard_names_and_exclusions():
 @pytest.mark.parametrize(
     ("block", "named"),
     [
-        ({"target_modules": ["q_proj"]}, "policy.lora.match_all_linear=true adapts every"),
-        ({"match_all_linear": False}, "policy.lora: nothing to adapt"),
+        (
+            {"target_modules": ["q_proj"]},
+            "policy.dtensor_cfg.lora_cfg.match_all_linear=true adapts every",
+        ),
+        ({"match_all_linear": False}, "policy.dtensor_cfg.lora_cfg: nothing to adapt"),
         ({"alpha": 0}, "alpha"),
         ({"lora_A_init": "gaussian"}, "lora_A_init"),
         ({"rank": 8}, "rank"),
@@ -84,7 +88,7 @@ def test_blocks_that_cannot_work_are_refused_naming_the_key(block, named):
 
     with pytest.raises(UserInputError, match=named.replace(".", r"\.").replace("*", r"\*")):
         parse_section(
-            PolicyConfig, {"model": {"kind": "hf", "hf_path": "x"}, "lora": block}, "policy"
+            PolicyConfig, {"model_name": "x", "dtensor_cfg": {"lora_cfg": block}}, "policy"
         )
 
 

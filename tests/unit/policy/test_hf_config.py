@@ -20,7 +20,8 @@ BIN = Path(sys.executable).parent / "sft-runtime"
 
 def _raw(folder: Path, **policy) -> dict:
     raw = small_raw(Path("/tmp/run"), Path("/tmp/data"))
-    raw["policy"]["model"] = {"kind": "hf", "hf_path": str(folder)}
+    raw["policy"]["model"] = {}  # the built-in transformer's sizes mean nothing here
+    raw["policy"]["model_name"] = str(folder)
     raw["policy"].update(policy)
     return raw
 
@@ -35,7 +36,7 @@ def model_only(tmp_path_factory) -> Path:
 
 def test_the_tokenizer_defaults_to_the_models_own(model_only):
     config = validate_config(_raw(model_only))
-    assert config.policy.tokenizer.name == "huggingface"
+    assert config.policy.tokenizer.name == str(model_only)
     assert config.policy.tokenizer.path == str(model_only)
 
 
@@ -78,7 +79,8 @@ def test_a_missing_model_folder_or_config_exits_2_before_ray(what, demo_data, tm
     if what == "no config.json":
         folder.mkdir()
     raw = small_raw(tmp_path / "run", demo_data)
-    raw["policy"]["model"] = {"kind": "hf", "hf_path": str(folder)}
+    raw["policy"].pop("model", None)
+    raw["policy"]["model_name"] = str(folder)
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(raw))
     done = subprocess.run(
@@ -88,7 +90,7 @@ def test_a_missing_model_folder_or_config_exits_2_before_ray(what, demo_data, tm
         timeout=120,
     )
     assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr and "policy.model.hf_path" in done.stderr
+    assert "Traceback" not in done.stderr and "policy.model_name" in done.stderr
     assert what in done.stderr
 
 
@@ -96,6 +98,6 @@ def test_the_hf_example_config_validates(model_only):
     from sft_runtime.runtime.config import load_config
 
     root = Path(__file__).resolve().parents[3]
-    config = load_config(root / "examples" / "hf.yaml", [f"policy.model.hf_path={model_only}"])
-    assert config.policy.model.kind == "hf" and config.policy.tokenizer.path == str(model_only)
+    config = load_config(root / "examples" / "hf.yaml", [f"policy.model_name={model_only}"])
+    assert config.policy.is_hf and config.policy.tokenizer.path == str(model_only)
     assert config.policy.sequence_packing.algorithm == "modified_first_fit_decreasing"

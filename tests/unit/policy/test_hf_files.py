@@ -48,7 +48,7 @@ def _refused(folder: Path) -> str:
     with pytest.raises(UserInputError) as info:
         _check(folder)
     message = str(info.value)
-    assert "\n" not in message and message.startswith("policy.model.hf_path: ")
+    assert "\n" not in message and message.startswith("policy.model_name: ")
     return message
 
 

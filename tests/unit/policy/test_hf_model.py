@@ -144,13 +144,13 @@ def test_missing_folders_and_configs_are_named(tmp_path):
 def test_a_bf16_stored_model_trains_in_the_configured_precision(tmp_path, precision):
     """Stored in bf16 (as hub models ship), trained with fp32 master weights, with or
     without bf16 autocast: the step runs, the weights move and stay float32."""
-    from sft_runtime.runtime.policy.config import ModelConfig, PolicyConfig
+    from sft_runtime.runtime.policy.config import PolicyConfig
     from sft_runtime.runtime.policy.replica import Replica
     from tests.support import sources
 
     build_model(tmp_path, family="qwen2", vocab_size=97, dtype=torch.bfloat16)
     policy = PolicyConfig(
-        model=ModelConfig(kind="hf", hf_path=str(tmp_path)),
+        model_name=str(tmp_path),
         train_global_batch_size=4,
         train_micro_batch_size=2,
         precision=precision,

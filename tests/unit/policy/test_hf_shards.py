@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy import rendezvous
-from sft_runtime.runtime.policy.config import ParallelConfig
+from sft_runtime.runtime.policy.config import DTensorConfig
 from sft_runtime.runtime.policy.hf_model import load_hf_model
 from sft_runtime.runtime.policy.hf_shards import can_slice, fill_from_folder, skeleton
 from tests.support.hf_models import build_model, tiny_model
@@ -74,7 +74,7 @@ def _rank(rank: int, port: int, folder: str, out: str) -> None:
         expected = whole.state_dict()
         model = skeleton(folder)
         assert all(p.is_meta for p in model.parameters())
-        parallel = ParallelConfig(fsdp=True)
+        parallel = DTensorConfig(enabled=True)
         fsdp.shard_model(model, parallel, fsdp.build_mesh(parallel, WORLD, torch.device("cpu")))
         read = fill_from_folder(model, folder, torch.device("cpu"))
         report = {"read": read, "mismatch": [], "shards": {}}
@@ -102,7 +102,7 @@ def _rank(rank: int, port: int, folder: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _save_and_resume(model, folder: str, parallel: ParallelConfig, ckpt: Path) -> dict:
+def _save_and_resume(model, folder: str, parallel: DTensorConfig, ckpt: Path) -> dict:
     """A sharded checkpoint (weights and AdamW moments) saved and read into a fresh sharded
     start: the largest tensor any op makes on the way, against this rank's largest shard,
     and whether the resumed shards equal the saved ones."""

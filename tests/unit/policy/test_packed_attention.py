@@ -210,7 +210,7 @@ def test_activation_checkpointing_recomputes_with_the_segments(tmp_path):
         if checkpointing:
             enable_activation_checkpointing(
                 model
-            )  # what policy.parallel.activation_checkpointing does
+            )  # what policy.dtensor_cfg.activation_checkpointing does
         hf_logits(model, ids, positions, segments)[segments >= 0].square().mean().backward()
         grads.append([p.grad for p in model.parameters()])
     for plain, recomputed in zip(*grads, strict=True):

@@ -29,8 +29,8 @@ def test_the_built_in_transformer_trains_every_parameter():
 def test_a_hugging_face_model_with_and_without_adapters(tiny_llama, lora):
     pytest.importorskip("peft")
     policy = PolicyConfig(
-        model=ModelConfig(kind="hf", hf_path=str(tiny_llama)),
-        lora={"enabled": lora, "dim": 4},
+        model_name=str(tiny_llama),
+        dtensor_cfg={"lora_cfg": {"enabled": lora, "dim": 4}},
     )
     count = count_parameters(policy)
     assert (count.trainable, count.total) == _real(policy)

@@ -113,7 +113,7 @@ def test_loss_ignores_unsupervised_tokens_and_survives_zero_tokens():
         (PolicyConfig, {"precision": "float16"}, "policy.precision"),
         (PolicyConfig, {"bogus": 1}, "policy.bogus"),
         (ClusterConfig, {"cpus_per_worker": 0}, "cluster.cpus_per_worker"),
-        (ClusterConfig, {"gpus_per_node": 1}, "cluster.gpus_per_node"),
+        (ClusterConfig, {"gpus_per_node": 1, "workers_per_node": 2}, "cluster.gpus_per_node"),
         (ClusterConfig, {"placement_strategy": "STRICT_SPREAD"}, "cluster.placement_strategy"),
     ],
 )
