@@ -94,7 +94,8 @@ def raw_config(args, folder: Path, data: Path, run_dir: Path) -> dict:
         "data": {
             "max_input_seq_length": args.seq,
             "train": {"path": str(data), "virtual_epoch_length": 100_000},
-            "energon": {"num_workers": 0, "shuffle_buffer_size": 64},
+            "num_workers": 0,
+            "energon": {"shuffle_buffer_size": 64},
         },
         "sft": {"max_num_steps": args.steps, "max_num_epochs": 100, "seed": 1},
         "logger": {"log_dir": str(run_dir)},

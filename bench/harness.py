@@ -106,7 +106,8 @@ def raw_config(
         "data": {
             "max_input_seq_length": shape["seq"],
             "train": {"path": str(data), "virtual_epoch_length": 1000},
-            "energon": {"num_workers": 0, "shuffle_buffer_size": 64},
+            "num_workers": 0,
+            "energon": {"shuffle_buffer_size": 64},
         },
         "sft": {"max_num_steps": steps, "max_num_epochs": 1, "seed": SEED},
         "logger": {"log_dir": str(run_dir)},

@@ -10,7 +10,7 @@ none). The plain loop reads the very batches the runtime's loader yields, writte
 beforehand, so it does no loading and the losses must agree. Target: sft-runtime <= 1.05x.
 
 The runtime's loader runs as a user with an HF tokenizer runs it: energon with one worker
-process (``data.energon.num_workers=1``), which renders and tokenizes the next batches on the
+process (``data.num_workers=1``), which renders and tokenizes the next batches on the
 free core while the current one trains; the plain loop gets its batches for free, so what
 is left is the runtime's own price (Ray calls, controller, events, spans, checkpoints) and
 whatever the loading on the other core takes from the step (see below). A second runtime
@@ -115,7 +115,7 @@ def raw_config(data: Path, model: Path, run_dir: Path, workers: int = 1, prefetc
     raw = h.raw_config(SHAPE, data, run_dir, STEPS, world=WORLD, prefetch=prefetch)
     raw["policy"].pop("model", None)
     raw["policy"]["model_name"] = str(model)  # its tokenizer too
-    raw["data"]["energon"]["num_workers"] = workers
+    raw["data"]["num_workers"] = workers
     return raw
 
 
@@ -219,7 +219,7 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
         ),
         h.row("hf.step.in_turns.model_work_over_plain_step", statistics.median(turns_work), "x"),
         h.row(
-            "hf.step.time.sft_runtime (energon num_workers=1, whole runs)",
+            "hf.step.time.sft_runtime (data.num_workers=1, whole runs)",
             t_sub * ms,
             "ms",
             t_ref * ms,

@@ -2,7 +2,7 @@
 
 Each rank of the plain loop drives its own `ColocatedLoader` inline (load, train, commit),
 with a config where loading costs at least a third of a step. sft-runtime reads ahead
-(``data_plane.max_partitions=2``, energon ``num_workers=1``) on one DP worker, which leaves
+(``data_plane.max_partitions=2``, ``data.num_workers=1``) on one DP worker, which leaves
 a 2-core machine a core to load on. Target: faster (< 1.0x). The same at DP=2 is shown
 without a target: two workers already fill both cores. Beside them, sft-runtime's default
 (``data_plane.load_during_allreduce``: the next batch read while the gradients are
@@ -32,7 +32,7 @@ def _prefetch(data: Path, tmp: Path) -> list[dict]:
     """(b) loading-heavy config: sft-runtime reading ahead vs the plain loop loading inline.
 
     The target h.row runs one DP worker, so the machine (2 cores here) has a core free to load
-    on: ``max_partitions=2`` with energon ``num_workers=1`` builds the next batches in a
+    on: ``max_partitions=2`` with ``data.num_workers=1`` builds the next batches in a
     loader process while the step trains. A read-ahead thread alone cannot win here: the
     byte tokenizer and a tiny model are both Python, so they take turns on the GIL. The DP=2
     rows show the other case on this machine: two workers already fill both cores, so
@@ -90,10 +90,10 @@ def _prefetch(data: Path, tmp: Path) -> list[dict]:
     ]
 
 
-def _loading_case(data: Path, tmp: Path, world: int, energon_on: dict) -> dict[str, float]:
-    """Plain inline loop, sft-runtime with read-ahead (``energon_on`` overrides), loading
-    inline, and reading during the all-reduce (the default), alternating for h.ROUNDS rounds;
-    medians of step times, ratios and loader latencies."""
+def _loading_case(data: Path, tmp: Path, world: int, data_on: dict) -> dict[str, float]:
+    """Plain inline loop, sft-runtime with read-ahead (``data_on`` over its data section),
+    loading inline, and reading during the all-reduce (the default), alternating for
+    h.ROUNDS rounds; medians of step times, ratios and loader latencies."""
     got: dict[str, list[float]] = {}
 
     def keep(**values: float) -> None:
@@ -105,7 +105,7 @@ def _loading_case(data: Path, tmp: Path, world: int, energon_on: dict) -> dict[s
             h.raw_config(h.LOADING, data, tmp, h.STEPS, world=world), world, h.STEPS, None
         )
         raw_on = h.raw_config(h.LOADING, data, tmp / f"b{world}-on-{i}", h.STEPS, world, prefetch=2)
-        raw_on["data"]["energon"].update(energon_on)
+        raw_on["data"].update(data_on)
         b = h.runtime_run(raw_on)
         raw_off = h.raw_config(h.LOADING, data, tmp / f"b{world}-off-{i}", h.STEPS, world)
         raw_off["data_plane"]["load_during_allreduce"] = False

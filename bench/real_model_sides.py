@@ -99,7 +99,7 @@ def runtime_config(setup: Setup, run_dir: Path) -> dict[str, Any]:
             "kwargs": {"lr": setup.lr, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
         },
     }
-    energon: dict[str, Any] = {"num_workers": 0, "shuffle_buffer_size": None}
+    energon: dict[str, Any] = {"shuffle_buffer_size": None}
     if setup.lora:
         policy["dtensor_cfg"] = {"lora_cfg": {"enabled": True, **setup.lora}}
     if setup.packed:
@@ -108,6 +108,7 @@ def runtime_config(setup: Setup, run_dir: Path) -> dict[str, Any]:
         "policy": policy,
         "data": {
             "max_input_seq_length": setup.seq,
+            "num_workers": 0,
             "train": {"path": setup.data_dir, "virtual_epoch_length": 10_000},
             "energon": energon,
         },

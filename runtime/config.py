@@ -122,13 +122,14 @@ class MasterConfig(BaseModel):
                 "row: use 'sdpa' (packed samples attend to themselves only, no mask) or set "
                 "policy.sequence_packing.enabled=false"
             )
-        budget = data.max_input_seq_length * policy.train_micro_batch_size
-        if packing.train_mb_tokens not in (None, budget):
+        longest = policy.max_total_sequence_length or data.max_input_seq_length
+        budget = longest * policy.train_micro_batch_size
+        if packing.enabled and packing.train_mb_tokens not in (None, budget):
             raise ValueError(
                 f"policy.sequence_packing.train_mb_tokens={packing.train_mb_tokens}: a packed "
-                f"micro-batch here is policy.train_micro_batch_size rows of "
-                f"data.max_input_seq_length tokens ({budget}); set it to {budget} or leave it "
-                "out"
+                "micro-batch here is policy.train_micro_batch_size rows of at most "
+                f"policy.max_total_sequence_length tokens ({budget}, NeMo RL's default); set "
+                f"it to {budget} or leave it out"
             )
         pad = policy.make_sequence_length_divisible_by
         if packing.enabled and data.max_input_seq_length % pad:

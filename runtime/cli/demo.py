@@ -43,7 +43,8 @@ def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 150) -> 
             # the synthetic chats are long on purpose: train on what fits of each
             "overlong_samples": "truncate",
             "train": {"path": str(data_dir), "virtual_epoch_length": 64},
-            "energon": {"num_workers": 0, "shuffle_buffer_size": None},
+            "num_workers": 0,
+            "energon": {"shuffle_buffer_size": None},
         },
         "sft": {"max_num_steps": steps, "max_num_epochs": 10, "seed": 42},
         "logger": {"log_dir": str(run_dir)},

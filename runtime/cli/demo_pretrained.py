@@ -52,7 +52,8 @@ def pretrained_demo_config(
             "max_input_seq_length": 256,
             "train": {"path": str(data_dir), "virtual_epoch_length": TRAIN_CHATS // 16},
             "validation": {"path": str(data_dir)},
-            "energon": {"num_workers": 0, "shuffle_buffer_size": None},
+            "num_workers": 0,
+            "energon": {"shuffle_buffer_size": None},
         },
         "sft": {
             "max_num_steps": steps,

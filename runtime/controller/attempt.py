@@ -46,23 +46,35 @@ def open_attempt(
     log = open_log(run_dir, owner=owner)
     state = args.save_state
     model = ControllerModel(step_rules(config, now=time.time()), log=log, save_state=state)
-    metrics = MetricsLogger.for_run(config.logger, run_dir, first_step=state.total_steps + 1)
+    try:
+        metrics = MetricsLogger.for_run(
+            config.logger,
+            run_dir,
+            first_step=state.total_steps + 1,
+            run_config=config.model_dump(mode="json"),
+        )
+    except BaseException:
+        quietly("close the log", log.close)  # nothing recorded yet: the attempt never began
+        raise
     # the driver compared the config with the checkpoint's (`setup_sft_v2`); args made by
     # hand carry no record, and the attempt records its config's digest alone
     record = cluster.get("config_record") or config_record(config)
-    model.start(
-        event=fold.run_started_event(
-            state,
-            max_steps=max_steps,
-            logical_world_size=args.placement_plan.logical_world_size,
-            node_ids=cluster.get("node_ids", []),
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            config_digest=record.digest,
-            config_changes=record.changes,
-            optimizer_restored=record.optimizer_restored,
-        )
+    event = fold.run_started_event(
+        state,
+        max_steps=max_steps,
+        logical_world_size=args.placement_plan.logical_world_size,
+        node_ids=cluster.get("node_ids", []),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        config_digest=record.digest,
+        config_changes=record.changes,
+        optimizer_restored=record.optimizer_restored,
     )
+    try:
+        model.start(event=event)
+    except BaseException:  # the backends' runs end here, not at the process's exit
+        quietly("close the metrics logger", lambda: metrics.close("failed"))
+        raise
     return log, model, metrics
 
 
@@ -111,7 +123,7 @@ def end_attempt(
         lambda: group.flush_telemetry(deadline=flush_by, carrier=inject_carrier()),
     )
     if metrics is not None:
-        quietly("close the metrics logger", metrics.close)
+        quietly("close the metrics logger", lambda: metrics.close(reason))
     if model is not None and log is not None:
         if model.state in (ControllerState.setup, ControllerState.loading):
             quietly("close the machine", model.close)

@@ -11,10 +11,13 @@ The run then trains on the prepared folder exactly as on a ``data.train.path`` (
 it runs with names the folder instead of the file); its checkpoints record that folder, and
 a resume judges it by content as it judges any data set.
 
-``split_validation_size`` (NeMo RL's) holds that fraction of the conversations out as the
-``val`` split, which becomes ``data.validation`` when no validation data is named. An epoch
-is one pass over the train split (NeMo RL's ``len(dataloader)``: whole global batches)
-unless ``data.train.virtual_epoch_length`` says otherwise.
+A data file is one split whatever ``split`` says (NeMo RL writes ``split: "train"`` and
+``split: "validation"``): it is prepared as the folder's ``train`` split, which the entry
+then names. ``split_validation_size`` (NeMo RL's) holds that fraction of the conversations
+out as the ``val`` split, which becomes ``data.validation`` when no validation data is named
+(read as the train file is: its ``prompt_file``). An epoch is one pass over the train
+split (NeMo RL's ``len(dataloader)``: whole global batches) unless
+``data.train.virtual_epoch_length`` says otherwise.
 """
 
 from __future__ import annotations
@@ -131,9 +134,11 @@ def bring_data(config: MasterConfig, *, cache: Path | None = None) -> MasterConf
             seed=config.sft.seed if train.seed is None else train.seed,
             cache=cache,
         )
-        train = train.model_copy(update=_named_by(got))
-        if validation is None and got.num_val:
-            validation = ValidationDataConfig(path=str(got.path), split="val")
+        train = train.model_copy(update={**_named_by(got), "split": "train"})
+        if validation is None and got.num_val:  # the held-out part reads as the train file
+            validation = ValidationDataConfig(
+                path=str(got.path), split="val", prompt_file=train.prompt_file
+            )
     if validation is not None and validation.data_path is not None:
         got = prepared_data_set(
             validation.data_path,

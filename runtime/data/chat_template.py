@@ -3,7 +3,10 @@
 A fine-tuned chat model is only as good as the agreement between training and inference
 tokenization, so a conversation is rendered by the tokenizer's template exactly once and that
 text is tokenized exactly once, with ``add_special_tokens=False``: the ids are then those of
-``tokenizer.apply_chat_template(messages, tokenize=True)``, token for token. Tokenizing
+``tokenizer.apply_chat_template(messages, tokenize=True)``, token for token, plus the BOS and
+EOS that ``data.add_bos`` and ``data.add_eos`` add where the render lacks them, and
+``data.add_generation_prompt`` decides whether an assistant turn's header is supervised
+(chat_format.py: NeMo RL's rules). Tokenizing
 messages one by one would differ wherever BPE merges across a message boundary, and adding
 special tokens would double the BOS of templates that emit it themselves (Llama 3).
 
@@ -39,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from sft_runtime.runtime.data import turn_spans
+from sft_runtime.runtime.data.chat_format import ChatFormat
 from sft_runtime.runtime.data.turn_spans import TEMPLATE_KEY, Messages, Span
 from sft_runtime.runtime.errors import UserInputError
 
@@ -161,35 +165,92 @@ class ChatTemplate:
             template_kwargs=self.template_kwargs,
         )
 
-    def encode_prompt(self, messages: Messages) -> list[int]:
-        """Ids of `messages` followed by the assistant header, as a generation prompt."""
+    def encode_prompt(
+        self, messages: Messages, *, chat_format: ChatFormat | None = None
+    ) -> list[int]:
+        """Ids of `messages` followed by the assistant header, as a generation prompt (with
+        the BOS a training row of `chat_format` starts with)."""
         text = self.render(messages, add_generation_prompt=True)
+        text = (chat_format or ChatFormat()).bos_to_add(text, self.tokenizer.bos_token) + text
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def tokenize(
-        self, messages: Messages, *, only_unmask_final: bool = False
+        self,
+        messages: Messages,
+        *,
+        only_unmask_final: bool = False,
+        chat_format: ChatFormat | None = None,
     ) -> tuple[list[int], list[bool]]:
-        """Token ids of the rendered conversation and, per token, whether it is supervised.
+        """Token ids of the rendered conversation and, per token, whether it is supervised,
+        under `chat_format`'s BOS, EOS and header rules (chat_format.py; default its
+        defaults).
 
         With `only_unmask_final` only the last assistant turn is. A conversation without an
         assistant turn gets an all-False mask (callers skip it rather than train on nothing).
         """
-        if self.marked:
+        fmt = chat_format or ChatFormat()
+        text = self.render(messages)
+        bos = fmt.bos_to_add(text, self.tokenizer.bos_token)
+        eos = fmt.eos_to_add(text, self.tokenizer.eos_token)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        headed = {i for i in turns if fmt.header_supervised(messages, i)}
+        if self.marked and not (bos or eos or headed):  # the template's own marks, as they are
             return _by_generation_markers(
                 self.tokenizer, messages, self.template, only_unmask_final, self.template_kwargs
             )
-        return self._by_prefix_renders(messages, only_unmask_final)
+        if self.marked:
+            spans = dict(zip(turns, self._marked_spans(messages, text, len(turns)), strict=True))
+            if only_unmask_final:
+                turns = turns[-1:]
+            spans = {
+                i: (self._header_start(messages, text, i), spans[i][1]) if i in headed else spans[i]
+                for i in turns
+            }
+        else:
+            if only_unmask_final:
+                turns = turns[-1:]
+            located = turn_spans.assistant_spans(
+                self.render, messages, text, turns, self.closers, headers=headed
+            )
+            spans = dict(zip(turns, located, strict=True))
+        whole = bos + text + eos
+        out = [(start + len(bos), end + len(bos)) for start, end in spans.values()]
+        if eos and out and turns[-1] == len(messages) - 1:
+            out[-1] = (out[-1][0], len(whole))  # the EOS is the last message's
+        ids, offsets = _encode_with_offsets(self.tokenizer, whole)
+        return ids, tokens_in_spans(offsets, out)
 
-    def _by_prefix_renders(
-        self, messages: Messages, only_unmask_final: bool
-    ) -> tuple[list[int], list[bool]]:
-        text = self.render(messages)
-        ids, offsets = _encode_with_offsets(self.tokenizer, text)
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if only_unmask_final:
-            turns = turns[-1:]
-        spans = turn_spans.assistant_spans(self.render, messages, text, turns, self.closers)
-        return ids, tokens_in_spans(offsets, spans)
+    def _header_start(self, messages: Messages, text: str, index: int) -> int:
+        """Where assistant message `index`'s chunk starts when its header is its own: where
+        the render of the messages before it stops agreeing with the whole render."""
+        return turn_spans.common_prefix(text, self.render(messages[:index]))
+
+    def _marked_spans(self, messages: Messages, text: str, count: int) -> list[Span]:
+        """The character spans of the template's ``{% generation %}`` blocks in `text` (its
+        render of `messages`), one per assistant message (`count` of them)."""
+        ids, mask = _by_generation_markers(
+            self.tokenizer, messages, self.template, False, self.template_kwargs
+        )
+        own, offsets = _encode_with_offsets(self.tokenizer, text)
+        if own != ids:
+            raise turn_spans.TurnNotLocatedError(
+                "apply_chat_template tokenizes this conversation otherwise than its render; "
+                "its {% generation %} blocks cannot be located in the text"
+            )
+        runs: list[Span] = []
+        for k, marked in enumerate(mask):
+            if not marked:
+                continue
+            if runs and mask[k - 1]:
+                runs[-1] = (runs[-1][0], offsets[k][1])
+            else:
+                runs.append((offsets[k][0], offsets[k][1]))
+        if len(runs) != count:
+            raise turn_spans.TurnNotLocatedError(
+                f"the chat template marks {len(runs)} {{% generation %}} block(s) in a "
+                f"conversation of {count} assistant message(s); they cannot be paired"
+            )
+        return runs
 
 
 _PLAIN_KEYS = frozenset({"role", "content"})

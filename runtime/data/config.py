@@ -12,6 +12,18 @@ data by itself, seeded). The loader counts epochs in committed steps rather than
 ``virtual_epoch_length``, which loses the worker order on resume with worker processes. With
 ``virtual_epoch_length x global batch == samples`` (and no shuffle buffer) each epoch covers the
 data set exactly once.
+
+Order (NeMo RL's ``data.shuffle``): with ``shuffle: true`` energon reads each worker's share
+of the train split in a fresh seeded order of shard slices every epoch (up to 16 slices open at
+once, samples drawn from them at random), then through a shuffle buffer of
+``data.energon.shuffle_buffer_size`` samples (`DEFAULT_SHUFFLE_BUFFER` when the key is left
+out; the buffer spans epoch boundaries, and one larger than a worker's share holds repeats).
+With ``shuffle: false`` energon's slice shuffle is off too: each worker reads its share in
+stored order, one slice after the other, the same order every epoch (with ``num_workers`` > 1
+the batches come from the workers in turn).
+
+``data.energon`` is this runtime's own section (NeMo RL has none), optional: its defaults
+serve NeMo RL's configs. The loader's worker processes are NeMo RL's ``data.num_workers``.
 """
 
 from __future__ import annotations
@@ -21,8 +33,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sft_runtime.runtime.data.chat_format import ChatFormat
+from sft_runtime.runtime.data.data_defaults import fill_from_default
 from sft_runtime.runtime.data.packing import PACKING_ALGORITHMS
 from sft_runtime.runtime.data.placement import MAPPERS
+from sft_runtime.runtime.data.prompt_file import read_prompt_file
 from sft_runtime.runtime.data.record_shapes import DatasetName, RecordShape
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError
@@ -34,6 +49,9 @@ PackingAlgorithm = Literal[PACKING_ALGORITHMS]  # a tuple subscript lists its me
 DATASET_NAMES = DatasetName.__args__  # NeMo RL's local-file data sets
 OverlongPolicy = Literal["mask", "truncate", "drop"]
 """What happens to a sample longer than ``data.max_input_seq_length`` (see task_encoder.py)."""
+DEFAULT_SHUFFLE_BUFFER = 256  # samples, with data.shuffle and no data.energon.shuffle_buffer_size
+PROCESSORS = ("sft_processor",)  # NeMo RL's data.*.processor values built here
+_FORMAT = ChatFormat()  # the defaults of data.add_bos, add_eos, add_generation_prompt
 
 
 class _Section(BaseModel):
@@ -41,10 +59,10 @@ class _Section(BaseModel):
 
 
 class EnergonConfig(_Section):
-    """Settings handed to energon's loader (per logical DP rank)."""
+    """Settings handed to energon's loader (per logical DP rank); optional (module doc)."""
 
-    num_workers: int = Field(0, ge=0)
-    shuffle_buffer_size: int | None = Field(..., ge=1)
+    # left out: DEFAULT_SHUFFLE_BUFFER with data.shuffle, none without (DataConfig resolves it)
+    shuffle_buffer_size: int | None = Field(None, ge=1)
     topology_mapper: Literal[MAPPERS] = "default"  # the placement plan's mappers
 
     @model_validator(mode="before")
@@ -56,7 +74,32 @@ class EnergonConfig(_Section):
                 "conversations (policy.train_global_batch_size counts conversations, as in "
                 "NeMo RL), so there is no packing buffer; remove the key"
             )
+        if isinstance(data, dict) and "num_workers" in data:
+            raise ValueError(
+                "data.energon.num_workers: the loader's worker processes are NeMo RL's "
+                "data.num_workers; move the value there"
+            )
         return data
+
+
+def check_processing(where: str, processor: Any, prompt_file: Any, system_prompt_file: Any) -> None:
+    """The rules of NeMo RL's processing keys under `where` (``data.train``, ``data.default``):
+    ``processor`` is only NeMo RL's SFT one; ``prompt_file`` must read as a prompt
+    (prompt_file.py); ``system_prompt_file`` is refused, since NeMo RL's sft_processor never
+    reads it and a file taken without effect would mislead (ValueError, one line)."""
+    if processor not in PROCESSORS:
+        raise ValueError(
+            f"{where}.processor {processor!r}: only NeMo RL's sft_processor (chat rows, loss "
+            "on the assistant turns) is built here"
+        )
+    if system_prompt_file is not None:
+        raise ValueError(
+            f"{where}.system_prompt_file: NeMo RL's sft_processor does not read it (only its "
+            "math and multiple-choice processors do); for a system message in every "
+            "conversation of a data_path set data.train.system_prompt (or data.validation's)"
+        )
+    if prompt_file is not None:
+        read_prompt_file(str(prompt_file), f"{where}.prompt_file")
 
 
 class _DataFile(_Section):
@@ -74,6 +117,24 @@ class _DataFile(_Section):
     tool_key: str = RecordShape.tool_key
     input_key: str = RecordShape.input_key
     output_key: str = RecordShape.output_key
+    # NeMo RL's processing keys (data.default usually holds them): see `check_processing`
+    processor: str = PROCESSORS[0]
+    prompt_file: str | None = None
+    system_prompt_file: str | None = None
+
+    def _check_processing(self, section: str) -> None:
+        check_processing(
+            f"data.{section}", self.processor, self.prompt_file, self.system_prompt_file
+        )
+
+    def prompt(self, section: str) -> str | None:
+        """The text of ``prompt_file`` (None without one), read when a loader is set up."""
+        if self.prompt_file is None:
+            return None
+        try:
+            return read_prompt_file(self.prompt_file, f"data.{section}.prompt_file")
+        except ValueError as exc:
+            raise UserInputError(str(exc)) from None
 
     def _check_source(self, section: str) -> None:
         if self.dataset_name is not None and self.dataset_name not in DATASET_NAMES:
@@ -119,11 +180,9 @@ class TrainDataConfig(_DataFile):
     @model_validator(mode="after")
     def _check(self) -> TrainDataConfig:
         self._check_source("train")
-        if self.data_path is not None and self.split != "train":
-            raise ValueError(
-                f"data.train.split {self.split!r}: a data_path is prepared into a 'train' split "
-                "(and a 'val' one with split_validation_size)"
-            )
+        self._check_processing("train")
+        # NeMo RL's split (split: "train") with a data_path selects nothing: the file is the
+        # split, prepared as 'train' (bring.py), whatever the value says
         if self.split_validation_size and self.data_path is None:
             raise ValueError(
                 "data.train.split_validation_size splits a data_path; a prepared data set "
@@ -140,21 +199,70 @@ class ValidationDataConfig(_DataFile):
     @model_validator(mode="after")
     def _check(self) -> ValidationDataConfig:
         self._check_source("validation")
+        self._check_processing("validation")
         return self
 
 
 class DataConfig(_Section):
-    """The ``data`` section of the run config."""
+    """The ``data`` section of the run config.
+
+    NeMo RL's ``data.default`` is a block of keys every data set entry takes where it sets
+    none of its own; it is applied to ``train`` and ``validation`` as the config is read
+    (data_defaults.py), so a loaded config holds each entry's resolved keys and no ``default``.
+    """
 
     backend: Literal["energon"] = "energon"
     max_input_seq_length: int = Field(..., ge=2)
+    # NeMo RL's switches on how a conversation becomes a row (chat_format.py)
+    add_bos: bool = _FORMAT.add_bos
+    add_eos: bool = _FORMAT.add_eos
+    add_generation_prompt: bool = _FORMAT.add_generation_prompt
+    shuffle: bool = True  # NeMo RL's; what it means with energon: module doc
+    num_workers: int = Field(0, ge=0)  # NeMo RL's (its default is 1): loader worker processes
     train: TrainDataConfig
-    energon: EnergonConfig
+    energon: EnergonConfig = Field(default_factory=EnergonConfig)
     validation: ValidationDataConfig | None = None
     # NeMo RL's rule by default: cut to the limit and weighted zero (counted, reported)
     overlong_samples: OverlongPolicy = "mask"
     # a sample the chat template refuses stops the run (False) or is skipped and counted
     skip_bad_samples: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_default(cls, data: Any) -> Any:
+        default = data.get("default") if isinstance(data, dict) else None
+        if isinstance(default, dict):  # its values are named as data.default's, once
+            check_processing(
+                "data.default",
+                default.get("processor", PROCESSORS[0]),
+                default.get("prompt_file"),
+                default.get("system_prompt_file"),
+            )
+        entries = {"train": TrainDataConfig, "validation": ValidationDataConfig}
+        return fill_from_default(data, {k: set(m.model_fields) for k, m in entries.items()})
+
+    @model_validator(mode="after")
+    def _resolve_shuffle(self) -> DataConfig:
+        energon = self.energon
+        given = "shuffle_buffer_size" in energon.model_fields_set
+        if not self.shuffle and energon.shuffle_buffer_size is not None:
+            raise ValueError(
+                "data.energon.shuffle_buffer_size: a shuffle buffer shuffles, and data.shuffle "
+                "is false; remove one of them"
+            )
+        if self.shuffle and not given:
+            self.energon = energon.model_copy(
+                update={"shuffle_buffer_size": DEFAULT_SHUFFLE_BUFFER}
+            )
+        return self
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        return ChatFormat(
+            add_bos=self.add_bos,
+            add_eos=self.add_eos,
+            add_generation_prompt=self.add_generation_prompt,
+        )
 
 
 class SequencePackingConfig(_Section):
@@ -182,8 +290,9 @@ class LoaderSpec(BaseModel):
     split: str = "train"
     batch_size: int = Field(..., ge=1)
     seed: int = 0
+    shuffle: bool = True  # False: energon's stored order (see module docstring)
     shuffle_buffer_size: int | None = None
-    num_workers: int = Field(0, ge=0)
+    num_workers: int = Field(0, ge=0)  # data.num_workers
     max_input_seq_length: int = Field(..., ge=2)
     pad_multiple: int = Field(1, ge=1)
     packing_algorithm: PackingAlgorithm | None = None
@@ -194,6 +303,8 @@ class LoaderSpec(BaseModel):
     tokenizer: TokenizerSpec = TokenizerSpec()
     overlong_samples: OverlongPolicy = "mask"
     skip_bad_samples: bool = False
+    chat_format: ChatFormat = ChatFormat()
+    prompt: str | None = None  # data.train.prompt_file's text
 
     @property
     def packing(self) -> bool:
@@ -232,8 +343,9 @@ def build_loader_spec(
         split=data.train.split,
         batch_size=per_rank,
         seed=seed,
+        shuffle=data.shuffle,
         shuffle_buffer_size=data.energon.shuffle_buffer_size,
-        num_workers=data.energon.num_workers,
+        num_workers=data.num_workers,
         max_input_seq_length=data.max_input_seq_length,
         pad_multiple=make_sequence_length_divisible_by,
         packing_algorithm=algorithm,
@@ -244,4 +356,6 @@ def build_loader_spec(
         tokenizer=tokenizer or TokenizerSpec(),
         overlong_samples=data.overlong_samples,
         skip_bad_samples=data.skip_bad_samples,
+        chat_format=data.chat_format,
+        prompt=data.train.prompt("train"),
     )

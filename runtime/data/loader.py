@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_runtime.runtime.data.batch import SFTBatch, StepEnvelope
+from sft_runtime.runtime.data.chat_format import row_format_fingerprint
 from sft_runtime.runtime.data.config import LoaderSpec
 from sft_runtime.runtime.data.energon_release import release_energon_loader
 from sft_runtime.runtime.data.energon_state import energon_position
@@ -32,6 +33,7 @@ from sft_runtime.runtime.data.integrity import (
     explain_load_error,
     refused_sample_error,
 )
+from sft_runtime.runtime.data.prompt_file import prompt_digest
 from sft_runtime.runtime.data.quiet_progress import quiet_progress_bars
 from sft_runtime.runtime.data.tokenizer import build_tokenizer
 from sft_runtime.runtime.errors import UserInputError
@@ -138,6 +140,10 @@ class ColocatedLoader:
             # a saved state of a run before this key existed cut and trained overlong samples;
             # skip_bad_samples is left out: a refused sample holds its place either way
             **({} if spec.overlong_samples == "truncate" else {"overlong": spec.overlong_samples}),
+            # the keys below are newer: named only where they change the stream or its rows
+            **({} if spec.shuffle else {"shuffle": False}),
+            **row_format_fingerprint(self._tokenizer, spec.chat_format),
+            **({} if spec.prompt is None else {"prompt": prompt_digest(spec.prompt)}),
         }
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -199,7 +205,13 @@ class ColocatedLoader:
             max_sequences_per_bin=spec.max_sequences_per_bin,
             balanced_knapsack_delta=spec.balanced_knapsack_delta,
             overlong=spec.overlong_samples,
+            chat_format=spec.chat_format,
+            prompt=spec.prompt,
         )
+        # data.shuffle false: no slice shuffle, one slice at a time (config.py's docstring)
+        order: dict[str, Any] = {}
+        if not spec.shuffle:
+            order = {"shuffle_over_epochs_multiplier": None, "parallel_shard_iters": 1}
         try:
             dataset = get_train_dataset(
                 str(self._data_path),
@@ -211,6 +223,7 @@ class ColocatedLoader:
                 # Endless stream; our virtual epochs are counted in steps (see config.py).
                 virtual_epoch_length=0,
                 task_encoder=task_encoder,
+                **order,
             )
         except Exception as exc:  # noqa: BLE001 - energon's checks are asserts and ValueErrors
             raise DataSetError(

@@ -21,6 +21,10 @@ out in rows of at most ``max_input_seq_length`` tokens. So ``policy.train_global
 counts conversations packed or not (as in NeMo RL), a packed step trains on the same
 conversations as the unpacked one, and the loader's state (energon's) is the same either way.
 ``first_fit_shuffle`` draws from a private `random.Random` seeded by the step's source ids.
+
+Before a conversation is rendered, a ``prompt_file``'s prompt takes its first user message
+(prompt_file.py); the tokenizer renders it under the ``data.add_bos``, ``add_eos`` and
+``add_generation_prompt`` rules (chat_format.py).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import torch
 from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, stateless
 
 from sft_runtime.runtime.data.batch import SFTBatch
+from sft_runtime.runtime.data.chat_format import ChatFormat
 from sft_runtime.runtime.data.packing import plan_bins
+from sft_runtime.runtime.data.prompt_file import with_prompt
 from sft_runtime.runtime.data.sample import ChatSample
 from sft_runtime.runtime.data.tokenizer import ChatTokenizer, apply_chat_template
 
@@ -59,9 +65,16 @@ def encode_conversation(
     *,
     max_length: int,
     only_unmask_final: bool = False,
+    chat_format: ChatFormat | None = None,
+    prompt: str | None = None,
 ) -> tuple[list[int], list[float]]:
     """Token ids truncated to `max_length` and the loss mask (targets, first token never)."""
-    ids, supervised = apply_chat_template(tokenizer, messages, only_unmask_final=only_unmask_final)
+    ids, supervised = apply_chat_template(
+        tokenizer,
+        with_prompt(messages, prompt),
+        only_unmask_final=only_unmask_final,
+        chat_format=chat_format,
+    )
     ids, supervised = ids[:max_length], supervised[:max_length]
     mask = [0.0] + [1.0 if s else 0.0 for s in supervised[1:]]
     return ids, mask
@@ -74,9 +87,16 @@ def encode_sample_tokens(
     max_length: int,
     only_unmask_final: bool,
     overlong: str,
+    chat_format: ChatFormat | None = None,
+    prompt: str | None = None,
 ) -> tuple[list[int], list[float], bool]:
     """`encode_conversation` under an overlong policy: (ids, loss mask, was it overlong)."""
-    ids, supervised = apply_chat_template(tokenizer, messages, only_unmask_final=only_unmask_final)
+    ids, supervised = apply_chat_template(
+        tokenizer,
+        with_prompt(messages, prompt),
+        only_unmask_final=only_unmask_final,
+        chat_format=chat_format,
+    )
     too_long = len(ids) > max_length
     if too_long and overlong == "drop":
         return ids[:1], [0.0], True
@@ -147,9 +167,13 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
         max_sequences_per_bin: int | None = None,
         balanced_knapsack_delta: int = 0,
         overlong: str = "truncate",
+        chat_format: ChatFormat | None = None,
+        prompt: str | None = None,
     ) -> None:
         super().__init__()
         self.overlong = overlong
+        self.chat_format = chat_format
+        self.prompt = prompt
         self.tokenizer = tokenizer
         self.max_input_seq_length = max_input_seq_length
         self.pad_multiple = pad_multiple
@@ -167,6 +191,8 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
                 max_length=self.max_input_seq_length,
                 only_unmask_final=self.only_unmask_final,
                 overlong=self.overlong,
+                chat_format=self.chat_format,
+                prompt=self.prompt,
             )
         except Exception as exc:  # noqa: BLE001 - a template's refusal can be any type
             # One zero-weight pad token holds the sample's place; the error rides along.

@@ -7,7 +7,9 @@ a different tokenizer would silently change every batch).
 
 Its chat template: ``BOS`` then per message ``<role> content EOS``. The supervised part of an
 assistant message is its content and its closing EOS (the model must learn to stop); role
-markers and everything said by system and user are context.
+markers and everything said by system and user are context. The layout has BOS and EOS
+already, so ``data.add_bos`` and ``data.add_eos`` add nothing; the assistant marker is the
+header that ``data.add_generation_prompt: false`` trains on (chat_format.py).
 
 A Hugging Face tokenizer renders conversations with its own chat template (or the one
 ``policy.tokenizer.chat_template`` supplies) and is supervised on the assistant turns as that
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, field_serializer, model_validator
 
 from sft_runtime.runtime.data import chat_template as hf_chat
+from sft_runtime.runtime.data.chat_format import ChatFormat
 from sft_runtime.runtime.errors import UserInputError
 
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -140,7 +143,11 @@ class ChatTokenizer(Protocol):
     def identity(self) -> str: ...
 
     def encode_chat(
-        self, messages: list[dict[str, str]], *, only_unmask_final: bool = False
+        self,
+        messages: list[dict[str, str]],
+        *,
+        only_unmask_final: bool = False,
+        chat_format: ChatFormat | None = None,
     ) -> tuple[list[int], list[bool]]: ...
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]: ...
@@ -171,10 +178,19 @@ class ByteTokenizer:
         return self._role_ids[role]
 
     def encode_chat(
-        self, messages: list[dict[str, str]], *, only_unmask_final: bool = False
+        self,
+        messages: list[dict[str, str]],
+        *,
+        only_unmask_final: bool = False,
+        chat_format: ChatFormat | None = None,
     ) -> tuple[list[int], list[bool]]:
         """Token ids of a conversation and, per token, whether it belongs to a supervised
-        reply (only the last one with `only_unmask_final`)."""
+        reply (only the last one with `only_unmask_final`).
+
+        The layout already opens with BOS and closes every message with EOS, so
+        `chat_format`'s ``add_bos`` and ``add_eos`` find nothing to add; an assistant
+        message's role marker is its header, trained on where `chat_format` says so."""
+        fmt = chat_format or ChatFormat()
         last_assistant = max(
             (i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1
         )
@@ -185,7 +201,7 @@ class ByteTokenizer:
             body = self.encode_text(message["content"]) + [self.eos_id]
             train = role == "assistant" and (not only_unmask_final or index == last_assistant)
             ids.append(self.role_id(role))
-            supervised.append(False)
+            supervised.append(train and fmt.header_supervised(messages, index))
             ids.extend(body)
             supervised.extend([train] * len(body))
         return ids, supervised
@@ -282,11 +298,18 @@ class HFChatTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def encode_chat(
-        self, messages: list[dict[str, str]], *, only_unmask_final: bool = False
+        self,
+        messages: list[dict[str, str]],
+        *,
+        only_unmask_final: bool = False,
+        chat_format: ChatFormat | None = None,
     ) -> tuple[list[int], list[bool]]:
-        """Ids exactly as ``apply_chat_template(messages, tokenize=True)`` gives them, and
-        which of them are the assistant turns' (see chat_template.py)."""
-        return self._chat.tokenize(messages, only_unmask_final=only_unmask_final)
+        """Ids as ``apply_chat_template(messages, tokenize=True)`` gives them, with the BOS
+        and EOS `chat_format` adds, and which of them are the assistant turns' (see
+        chat_template.py and chat_format.py)."""
+        return self._chat.tokenize(
+            messages, only_unmask_final=only_unmask_final, chat_format=chat_format
+        )
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return self._chat.encode_prompt(messages)
@@ -374,12 +397,19 @@ def build_tokenizer(spec: TokenizerSpec | None = None) -> ChatTokenizer:
 
 
 def apply_chat_template(
-    tokenizer: ChatTokenizer, messages: list[dict[str, str]], *, only_unmask_final: bool = False
+    tokenizer: ChatTokenizer,
+    messages: list[dict[str, str]],
+    *,
+    only_unmask_final: bool = False,
+    chat_format: ChatFormat | None = None,
 ) -> tuple[list[int], list[bool]]:
     """Token ids of a conversation and, per token, whether it belongs to a supervised reply,
-    in the tokenizer's own template (the byte layout, or a Hugging Face chat template).
+    in the tokenizer's own template (the byte layout, or a Hugging Face chat template) under
+    `chat_format`'s rules (its defaults when None).
 
     With `only_unmask_final` only the last assistant message is supervised; with no
     assistant message nothing is.
     """
-    return tokenizer.encode_chat(messages, only_unmask_final=only_unmask_final)
+    return tokenizer.encode_chat(
+        messages, only_unmask_final=only_unmask_final, chat_format=chat_format
+    )

@@ -33,7 +33,7 @@ token is layout, not the turn's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 Messages = list[dict[str, Any]]
@@ -49,15 +49,23 @@ class TurnNotLocatedError(ValueError):
 
 
 def assistant_spans(
-    render: Render, messages: Messages, whole: str, turns: Sequence[int], closers: tuple[str, ...]
+    render: Render,
+    messages: Messages,
+    whole: str,
+    turns: Sequence[int],
+    closers: tuple[str, ...],
+    *,
+    headers: Collection[int] = (),
 ) -> list[Span]:
     """Half-open character spans in `whole` (the render of `messages`) of the assistant
-    messages at `turns`; `closers` are the tokenizer's special tokens."""
+    messages at `turns`; `closers` are the tokenizer's special tokens. A turn in `headers`
+    starts with its header (data.add_generation_prompt, chat_format.py): where the render of
+    the messages before it stops agreeing with `whole`."""
     renders = _PrefixRenders(render, messages, whole)
-    return [_span(renders, index, closers) for index in turns]
+    return [_span(renders, index, closers, index in headers) for index in turns]
 
 
-def _span(renders: _PrefixRenders, index: int, closers: tuple[str, ...]) -> Span:
+def _span(renders: _PrefixRenders, index: int, closers: tuple[str, ...], header: bool) -> Span:
     if index == 0:
         raise TurnNotLocatedError(
             "the conversation opens with an assistant message: without {% generation %} "
@@ -65,7 +73,9 @@ def _span(renders: _PrefixRenders, index: int, closers: tuple[str, ...]) -> Span
             "preamble"
         )
     start = _start(renders, index)
-    end = _end(renders, index, start, closers)
+    end = _end(renders, index, start, closers)  # from the reply: the header has closers too
+    if header:
+        start = min(start, common_prefix(renders.whole, renders.get(index)))
     body = renders.whole[start:end]
     kept = body.rstrip()
     if kept != body and kept.endswith(closers):

@@ -81,12 +81,18 @@ KEY_KINDS: dict[str, Kind] = {
         "data.train.path",  # by the data set's content
         "data.train.split",
         "data.train.virtual_epoch_length",
-        "data.energon.num_workers",
+        "data.num_workers",
+        "data.shuffle",
         "data.energon.shuffle_buffer_size",
         "data.energon.topology_mapper",
         "data.validation.path",  # by the data set's content
         "data.validation.split",
         "data.overlong_samples",
+        "data.add_bos",
+        "data.add_eos",
+        "data.add_generation_prompt",
+        "data.train.prompt_file",  # its text is in the loader fingerprint too
+        "data.validation.prompt_file",
         "sft.seed",
         "sft.val_period",
         "sft.val_at_end",
@@ -153,6 +159,12 @@ KEY_KINDS: dict[str, Kind] = {
         ),
         "data.train.split_validation_size",
         "data.train.seed",
+        # each has one accepted value (sft_processor, null): nothing to change
+        *(
+            f"data.{section}.{key}"
+            for section in ("train", "validation")
+            for key in ("processor", "system_prompt_file")
+        ),
         "sft.max_num_steps",
         "sft.max_num_epochs",
         "sft.val_at_start",

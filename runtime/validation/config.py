@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sft_runtime.runtime.data.chat_format import ChatFormat
 from sft_runtime.runtime.data.config import OverlongPolicy
 from sft_runtime.runtime.data.integrity import split_shards
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
@@ -38,6 +39,8 @@ class ValidationSpec(BaseModel):
     only_unmask_final: bool = False
     overlong_samples: OverlongPolicy = "mask"
     skip_bad_samples: bool = False
+    chat_format: ChatFormat = ChatFormat()  # data.add_bos, add_eos, add_generation_prompt
+    prompt: str | None = None  # data.validation.prompt_file's text
     global_batch_size: int = Field(..., ge=1)
     micro_batch_size: int = Field(..., ge=1)
     num_samples: int | None = Field(None, ge=1)  # None: the whole split
@@ -63,6 +66,8 @@ def validation_spec(config: MasterConfig) -> ValidationSpec | None:
         only_unmask_final=sft.only_unmask_final,
         overlong_samples=data.overlong_samples,
         skip_bad_samples=data.skip_bad_samples,
+        chat_format=data.chat_format,
+        prompt=data.validation.prompt("validation"),
         global_batch_size=gbs,
         micro_batch_size=sft.val_micro_batch_size or policy.train_micro_batch_size,
         num_samples=sft.val_batches * gbs if sft.val_batches else None,

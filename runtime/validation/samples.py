@@ -41,6 +41,8 @@ class ValidationShare:
             pad_multiple=spec.pad_multiple,
             only_unmask_final=spec.only_unmask_final,
             overlong=spec.overlong_samples,
+            chat_format=spec.chat_format,
+            prompt=spec.prompt,
         )
         samples = _stored_samples(spec)
         self.total = len(samples)  # samples in the pass, over every rank

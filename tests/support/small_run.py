@@ -28,7 +28,8 @@ def small_raw(run_dir: Path, data_dir: Path, steps: int = 6) -> dict[str, Any]:
             "max_input_seq_length": 64,
             "overlong_samples": "truncate",  # most demo chats run past 64 tokens
             "train": {"path": str(data_dir), "virtual_epoch_length": 32},
-            "energon": {"num_workers": 0, "shuffle_buffer_size": None},
+            "num_workers": 0,
+            "energon": {"shuffle_buffer_size": None},
         },
         "sft": {"max_num_steps": steps, "max_num_epochs": 5, "seed": 7},
         "logger": {"log_dir": str(run_dir)},

@@ -156,7 +156,6 @@ def test_a_bad_line_is_named_before_anything_starts(tmp_path, line, message):
         ),
         ({"dataset_name": None}, "data.train.data_path needs data.train.dataset_name"),
         ({"path": "/x"}, "name two sources; keep one"),
-        ({"split": "validation"}, "a data_path is prepared into a 'train' split"),
     ],
 )
 def test_bad_data_keys_are_one_line_naming_the_key(tmp_path, train, message):
