@@ -98,8 +98,10 @@ def run_training(
     step fails.
     """
     from sft_runtime.runtime.data.bring import bring_data
+    from sft_runtime.runtime.launch.absolute_paths import with_absolute_paths
 
     config = bring_data(config)  # NeMo RL's data files, prepared before anything starts
+    config = with_absolute_paths(config)  # Ray's processes do not stand where the user does
     run_dir = Path(config.logger.log_dir or ".")
     with holding_run(run_dir):  # before the resume point is read: a second launch is refused
         attempt = next_attempt(run_dir)  # the controller opens the log later; label it now

@@ -89,6 +89,9 @@ def test_nemo_rls_sft_yaml_trains_validates_and_resumes_exactly(
     assert started["logical_world_size"] == 2  # gpus_per_node=0: CPU workers, two by default
     assert any(r.type == "validation_completed" and r.data["step"] == 0 for r in records)
     assert (tmp_path / "results" / "sft").is_dir()  # checkpointing.checkpoint_dir
+    # NeMo RL's loggers: wandb (offline, no network here) and TensorBoard under the run
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    assert list((run_dir / "tb_logs-sft-dev-openai_format").glob("events.out.tfevents.*"))
 
     # the same command with one more step resumes from step 2; a fresh run of 3 steps is
     # the reference, and step 3 must be its equal bit for bit
