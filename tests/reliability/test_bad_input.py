@@ -27,6 +27,65 @@ from tests.support.reliability import (
 )
 from tests.support.small_run import small_config, small_raw
 
+NEMO_RL_SFT = Path(__file__).resolve().parents[1] / "support" / "nemo_rl" / "sft.yaml"
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        (
+            "policy.dtensor_cfg.tensor_parallel_size=2",
+            "policy.dtensor_cfg.tensor_parallel_size=2 is not supported",
+        ),
+        (
+            "policy.megatron_cfg.enabled=true",
+            "policy.megatron_cfg.enabled=true: Megatron-Core is not supported",
+        ),
+        (
+            "policy.dynamic_batching.enabled=true",
+            "policy.dynamic_batching.enabled=true is not supported yet",
+        ),
+        ("logger.swanlab_enabled=true", "logger.swanlab_enabled"),
+        ("+policy.parallel.fsdp=true", "policy.parallel: NeMo RL's name is policy.dtensor_cfg"),
+        (
+            "+policy.model.hf_path=/models/x",
+            "NeMo RL's name for the pretrained model is policy.model_name",
+        ),
+        ("+data.energon.num_workers=2", "data.num_workers"),
+        ("data.train.dataset_name=squad", "a hub data set cannot be fetched here"),
+    ],
+)
+def test_nemo_rl_keys_asking_for_what_is_not_here(override, named, tmp_path):
+    """NeMo RL's own file, the overrides a user here gives, and one value this runtime does
+    not have (or a former name of ours): exit 2, one line naming the key, before Ray."""
+    base = (
+        "policy.model_name=/models/tiny",
+        "cluster.gpus_per_node=0",
+        "data.train.dataset_name=openai_format",
+        f"+data.train.data_path={tmp_path / 'train.jsonl'}",
+        "data.validation=null",
+    )
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [
+            str(BIN),
+            "train",
+            "--config",
+            str(NEMO_RL_SFT),
+            *base,
+            override,
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    problems = [line for line in done.stderr.splitlines() if line.startswith("  ")]
+    assert len(problems) == 1 and named in problems[0], done.stderr
+    assert "Traceback" not in done.stderr and not run_dir.exists()
+
 
 def _bad_data_copy(src: Path, dest: Path) -> Path:
     shutil.copytree(src, dest)

@@ -211,3 +211,17 @@ def test_a_non_finite_number_is_refused_naming_its_key(tmp_path, key, value):
     config.write_text(yaml.safe_dump(_raw()))
     with pytest.raises(UserInputError, match=rf"{key}: Input should be a finite number"):
         load_config(config, [f"{key}={value}"])
+
+
+def test_gpus_per_node_alone_runs_a_worker_per_gpu():
+    """NeMo RL's `cluster.gpus_per_node: N`: N workers a node, one GPU each; with 0, CPU
+    workers counted by `workers_per_node` (ours); both given and different: one line."""
+    from sft_runtime.runtime.policy.config import ClusterConfig
+
+    assert ClusterConfig(gpus_per_node=4).world_size == 4
+    assert ClusterConfig(gpus_per_node=4, num_nodes=2).world_size == 8
+    assert ClusterConfig(gpus_per_node=0).world_size == 2  # CPU workers, our default count
+    assert ClusterConfig(gpus_per_node=0, workers_per_node=3).world_size == 3
+    assert ClusterConfig(gpus_per_node=4).gpus_per_worker == 1
+    with pytest.raises(ValueError, match="leave workers_per_node out"):
+        ClusterConfig(gpus_per_node=4, workers_per_node=2)
