@@ -142,7 +142,7 @@ def _crafted(run_dir: Path, tmp_path: Path, how: str) -> tuple[Path, Path, Path]
             assert (folder / ".metadata").is_file()  # a sharded checkpoint's real one
         (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
         if how == "claimed":
-            _set_in_config(_checkpoint(run, step), "policy.dtensor_cfg", "fsdp", True)
+            _set_in_config(_checkpoint(run, step), "policy.dtensor_cfg", "enabled", True)
     return run, config, marker
 
 
