@@ -24,9 +24,9 @@ keys: the layout a template writes after an end-of-turn token (ChatML's newline 
 ``<|im_end|>``) is context here, where NeMo RL's chunks train on it.
 
 Defaults: ``add_eos`` is NeMo RL's (true). ``add_bos`` (NeMo RL: true) and
-``add_generation_prompt`` (NeMo RL: false) keep the rows of the releases before these keys
-instead, because runs and tests hold those rows: the template's own text, and the header as
-context. NeMo RL's own config files set all three, so they get NeMo RL's rows.
+``add_generation_prompt`` (NeMo RL: false) keep this runtime's own rows instead (the
+template's text as it renders, and the header as context), which saved runs hold. NeMo RL's
+own config files set all three, so they get NeMo RL's rows.
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ class ChatFormat(BaseModel):
 
 
 LEGACY_FORMAT = ChatFormat(add_bos=False, add_eos=False, add_generation_prompt=True)
-"""The rows of releases before these keys: the template's text as it is, headers as context.
-A loader fingerprint names the format only where it gives other rows than this one, so a
-state saved by such a release restores exactly when the rows are still the same."""
+"""The rows with none of the three switches: the template's text as it is, headers as
+context. A loader fingerprint names the format only where it gives other rows than this
+one, so a state saved without the keys restores exactly when the rows are still the same."""
 
 _PROBE = [
     {"role": "user", "content": "Say hello."},
