@@ -108,7 +108,7 @@ def test_export_refuses_partial_damaged_and_non_hf_checkpoints(
     assert cli_main(["export", str(run), str(tmp_path / "b")]) == 2
     assert "unreadable weights" in capsys.readouterr().err
     assert cli_main(["export", str(reference.run_dir), str(tmp_path / "c")]) == 2
-    assert "kind 'transformer'" in capsys.readouterr().err
+    assert "trained the built-in transformer" in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
