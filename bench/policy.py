@@ -59,6 +59,8 @@ def _configs():
     from sft_runtime.runtime.policy.config import ClusterConfig, ModelConfig, PolicyConfig
 
     policy = PolicyConfig(
+        precision="float32",
+        dtensor_cfg={"enabled": False},
         model=ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ_LEN),
         train_global_batch_size=WORLD * ROWS,
         train_micro_batch_size=MICRO,

@@ -26,12 +26,23 @@ from sft_runtime.runtime.data.config import (
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.metrics.metrics_log import LoggerConfig
-from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig, check_batch_layout
-from sft_runtime.runtime.validation.config import check_validation
+from sft_runtime.runtime.policy.config import (
+    ClusterConfig,
+    PolicyConfig,
+    check_batch_layout,
+    check_dynamic_batching,
+)
+from sft_runtime.runtime.validation.config import (
+    check_validation,
+    has_validation_data,
+    validation_enabled,
+)
 from sft_runtime.states import StepRules
 from sft_runtime.traces.config import TelemetryConfig
 
 _Strict = ConfigDict(extra="forbid", allow_inf_nan=False)  # `lr: .inf` is bad input
+NEMO_RL_SEQUENCE_LENGTH = 1024  # policy.max_total_sequence_length in NeMo RL's sft.yaml
+NEMO_RL_METRIC = "val:val_loss"  # checkpointing.metric_name in NeMo RL's sft.yaml
 
 
 class PolicySection(PolicyConfig):
@@ -58,15 +69,17 @@ class PolicySection(PolicyConfig):
 class SFTConfig(BaseModel):
     model_config = _Strict
 
-    max_num_steps: int = Field(..., ge=1)
+    max_num_steps: int = Field(60, ge=1)
     max_num_epochs: int = Field(1, ge=1)
     seed: int = 42
-    val_period: int = Field(0, ge=0)
-    val_at_start: bool = False
+    # NeMo RL's defaults; they validate only a config that has validation data (as NeMo RL
+    # skips validation without a validation dataloader); one set without it is refused
+    val_period: int = Field(10, ge=0)
+    val_at_start: bool = True
     val_at_end: bool = False
-    val_batches: int | None = Field(None, ge=0)  # 0 or null: the whole validation split
-    val_global_batch_size: int | None = Field(None, ge=1)  # default: the training one's
-    val_micro_batch_size: int | None = Field(None, ge=1)
+    val_batches: int | None = Field(8, ge=0)  # 0 or null: the whole validation split
+    val_global_batch_size: int | None = Field(32, ge=1)  # null: the training one's
+    val_micro_batch_size: int | None = Field(1, ge=1)  # null: the training one's
     only_unmask_final: bool = False
     # A step whose loss or gradient norm is not finite never updates the weights. By default
     # the run then stops (exit 1) and resumes from its last checkpoint; true skips the update,
@@ -90,29 +103,51 @@ class MasterConfig(BaseModel):
 
     policy: PolicySection = PolicySection()
     data: DataConfig
-    sft: SFTConfig
+    sft: SFTConfig = Field(default_factory=SFTConfig)
     data_plane: DataPlaneConfig = DataPlaneConfig()
     logger: LoggerConfig = LoggerConfig()
-    cluster: ClusterConfig = ClusterConfig()
-    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # GPUs seen when read
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     telemetry: TelemetryConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _length_from_policy(cls, raw: Any) -> Any:
-        """NeMo RL's ``data.max_input_seq_length: ${policy.max_total_sequence_length}``,
-        as the default rather than an interpolation a user has to copy."""
+        """NeMo RL's ``data.max_input_seq_length: ${policy.max_total_sequence_length}``
+        (1024 when neither is given), as the default rather than an interpolation a user has
+        to copy; the built-in model's ``max_seq_len`` left out follows it."""
         if not isinstance(raw, dict):
             return raw
-        policy, data = raw.get("policy"), raw.get("data")
-        longest = policy.get("max_total_sequence_length") if isinstance(policy, dict) else None
-        if longest is not None and isinstance(data, dict) and "max_input_seq_length" not in data:
-            return {**raw, "data": {**data, "max_input_seq_length": longest}}
-        return raw
+        policy, data = raw.get("policy") or {}, raw.get("data")
+        if not isinstance(policy, dict) or not isinstance(data, dict):
+            return raw
+        if "max_input_seq_length" not in data:
+            longest = policy.get("max_total_sequence_length") or NEMO_RL_SEQUENCE_LENGTH
+            data = {**data, "max_input_seq_length": longest}
+        if policy.get("max_total_sequence_length") is None:
+            policy = {**policy, "max_total_sequence_length": data["max_input_seq_length"]}
+        model = policy.get("model") or {}
+        if not policy.get("model_name") and isinstance(model, dict) and "max_seq_len" not in model:
+            model = {**model, "max_seq_len": data["max_input_seq_length"]}
+            policy = {**policy, "model": model}
+        return {**raw, "policy": policy, "data": data}
+
+    def _validation_defaults(self) -> None:
+        """NeMo RL's validation schedule and checkpoint metric apply to a config that has
+        validation data; without it a schedule left out is off. Written into the config, so
+        a saved copy reads back the same."""
+        sft, ck = self.sft, self.checkpointing
+        if not has_validation_data(self):
+            for key, off in (("val_period", 0), ("val_at_start", False)):
+                if key not in sft.model_fields_set:
+                    setattr(sft, key, off)
+        elif "metric_name" not in ck.model_fields_set and validation_enabled(self):
+            ck.metric_name = NEMO_RL_METRIC
 
     @model_validator(mode="after")
     def _rules(self) -> MasterConfig:
         data, policy = self.data, self.policy
+        self._validation_defaults()
         check_validation(self)
         packing = policy.sequence_packing
         model = policy.model
@@ -137,6 +172,10 @@ class MasterConfig(BaseModel):
                 f"data.max_input_seq_length ({data.max_input_seq_length}) must be divisible by "
                 f"policy.make_sequence_length_divisible_by ({pad}) when packing"
             )
+        tokens = check_dynamic_batching(policy, data.max_input_seq_length, packing=packing.enabled)
+        if tokens is not None:  # NeMo RL's default budget, written in so a saved copy says it
+            dynamic = policy.dynamic_batching.model_copy(update={"train_mb_tokens": tokens})
+            self.policy = policy = policy.model_copy(update={"dynamic_batching": dynamic})
         world = self.cluster.world_size  # every worker is one data-parallel rank
         try:
             check_batch_layout(policy, world)

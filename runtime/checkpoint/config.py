@@ -25,7 +25,7 @@ class CheckpointingConfig(BaseModel):
     ft_save_period: int = Field(0, ge=0)
     metric_name: str | None = None
     higher_is_better: bool = False
-    keep_top_k: int | None = Field(None, ge=1)
+    keep_top_k: int | None = Field(3, ge=1)  # NeMo RL's; null keeps every checkpoint
     ft_keep_latest_k: int | None = Field(None, ge=1)
     checkpoint_must_save_by: str | None = None  # "DD:HH:MM:SS" after the controller starts
     save_optimizer: bool = True

@@ -37,6 +37,8 @@ def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 150) -> 
                 }
             ],
             "make_sequence_length_divisible_by": 8,
+            "precision": "float32",  # a toy on CPU: whole replicas, full precision
+            "dtensor_cfg": {"enabled": False},
         },
         "data": {
             "max_input_seq_length": 128,
@@ -44,11 +46,18 @@ def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 150) -> 
             "overlong_samples": "truncate",
             "train": {"path": str(data_dir), "virtual_epoch_length": 64},
             "num_workers": 0,
+            "add_bos": False,  # the byte layout opens every row with BOS already
+            "add_generation_prompt": True,  # the assistant header is context
             "energon": {"shuffle_buffer_size": None},
         },
         "sft": {"max_num_steps": steps, "max_num_epochs": 10, "seed": 42},
-        "logger": {"log_dir": str(run_dir)},
-        "cluster": {"workers_per_node": 2, "cpus_per_worker": 1.0, "num_threads_per_worker": 1},
+        "logger": {"log_dir": str(run_dir), "monitor_gpus": False},
+        "cluster": {
+            "gpus_per_node": 0,
+            "workers_per_node": 2,
+            "cpus_per_worker": 1.0,
+            "num_threads_per_worker": 1,
+        },
         "checkpointing": {"enabled": True, "save_period": 25, "metric_name": "train:loss"},
         "telemetry": {"enabled": True, "exporters": ["jaeger_file"]},
     }

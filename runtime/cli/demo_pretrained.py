@@ -38,7 +38,8 @@ def pretrained_demo_config(
             "model_name": str(model_dir),
             "precision": "bfloat16",  # the frozen base in bf16, the adapters in fp32
             "dtensor_cfg": {
-                "lora_cfg": {"enabled": True, "dim": 16, "alpha": 32, "match_all_linear": True}
+                "enabled": False,  # whole replicas: 135M parameters fit every worker
+                "lora_cfg": {"enabled": True, "dim": 16, "alpha": 32, "match_all_linear": True},
             },
             "train_global_batch_size": 16,
             "train_micro_batch_size": 8,
@@ -53,6 +54,8 @@ def pretrained_demo_config(
             "train": {"path": str(data_dir), "virtual_epoch_length": TRAIN_CHATS // 16},
             "validation": {"path": str(data_dir)},
             "num_workers": 0,
+            "add_bos": False,
+            "add_generation_prompt": True,  # the assistant header is context
             "energon": {"shuffle_buffer_size": None},
         },
         "sft": {
@@ -60,10 +63,19 @@ def pretrained_demo_config(
             "max_num_epochs": 100,
             "seed": 42,
             "val_period": 6,
+            "val_at_start": False,  # the completions before training show the start
             "val_at_end": True,
+            "val_batches": None,  # the whole held-out split
+            "val_global_batch_size": 16,
+            "val_micro_batch_size": 8,
         },
-        "logger": {"log_dir": str(run_dir)},
-        "cluster": {"workers_per_node": 2, "cpus_per_worker": 1.0, "num_threads_per_worker": 1},
+        "logger": {"log_dir": str(run_dir), "monitor_gpus": False},
+        "cluster": {
+            "gpus_per_node": 0,
+            "workers_per_node": 2,
+            "cpus_per_worker": 1.0,
+            "num_threads_per_worker": 1,
+        },
         "checkpointing": {"enabled": True, "save_period": 6, "metric_name": "val:val_loss"},
         "telemetry": {"enabled": True, "exporters": ["jaeger_file"]},
     }

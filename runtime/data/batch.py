@@ -19,6 +19,7 @@ Token layout (the model predicts token t from tokens < t of the same segment):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, Protocol
@@ -87,16 +88,35 @@ class SFTBatch:
             refused_samples=self.refused_samples,
         )
 
-    def trimmed(self, multiple: int = 1) -> SFTBatch:
-        """The same rows without the columns that are padding in every one of them (rounded
-        up to a multiple of `multiple`; the rows' ends are read off ``cu_seqlens``, no device
-        sync). A rank's rows are padded once to its longest sample, so a micro-batch of
-        short rows would otherwise run its forward and backward over columns that hold no
-        token; they carry no loss, so cutting them changes what is learned by nothing but
-        rounding, the same way every time."""
+    def take(self, indexes: Sequence[int]) -> SFTBatch:
+        """The rows at ``indexes``, in that order (source ids are kept whole, as `rows`
+        keeps them). Indexing copies the rows: take them before the batch goes to a device."""
+        picked = list(indexes)
+        if picked == list(range(self.num_rows)):
+            return self
+        return SFTBatch(
+            input_ids=self.input_ids[picked],
+            loss_mask=self.loss_mask[picked],
+            position_ids=self.position_ids[picked],
+            segment_ids=self.segment_ids[picked],
+            cu_seqlens=[self.cu_seqlens[i] for i in picked],
+            source_ids=self.source_ids,
+            sequence_lengths=self.sequence_lengths,
+            overlong_ids=self.overlong_ids,
+            refused_samples=self.refused_samples,
+        )
+
+    def trimmed(self, multiple: int = 1, round_to: int = 1) -> SFTBatch:
+        """The same rows without the columns that are padding in every one of them (the
+        longest row rounded up to a multiple of `round_to`, then of `multiple`; the rows'
+        ends are read off ``cu_seqlens``, no device sync). A rank's rows are padded once to
+        its longest sample, so a micro-batch of short rows would otherwise run its forward
+        and backward over columns that hold no token; they carry no loss, so cutting them
+        changes what is learned by nothing but rounding, the same way every time."""
         width = int(self.input_ids.shape[1])
         longest = max((bounds[-1] for bounds in self.cu_seqlens), default=0)
-        keep = min(width, -(-max(longest, 1) // multiple) * multiple)
+        rounded = -(-max(longest, 1) // round_to) * round_to
+        keep = min(width, -(-rounded // multiple) * multiple)
         if keep == width:
             return self
         return SFTBatch(

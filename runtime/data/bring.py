@@ -18,6 +18,11 @@ out as the ``val`` split, which becomes ``data.validation`` when no validation d
 (read as the train file is: its ``prompt_file``). An epoch is one pass over the train
 split (NeMo RL's ``len(dataloader)``: whole global batches) unless
 ``data.train.virtual_epoch_length`` says otherwise.
+
+Tool calling (tool_calls.py) is content: the tools, calls and results are stored with each
+sample, so the file's bytes, which name the folder, cover them. The folder records the
+first line that calls on tools; with the byte tokenizer, which has no layout for them, the
+run is refused naming that line.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 from sft_runtime.runtime.data.config import ValidationDataConfig
 from sft_runtime.runtime.data.integrity import split_samples
 from sft_runtime.runtime.data.record_shapes import RecordShape
+from sft_runtime.runtime.data.records import BadRecordError
+from sft_runtime.runtime.data.tool_calls import BYTE_REFUSAL
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.process.user_cache import user_cache_dir
 
@@ -51,6 +58,7 @@ class Prepared:
     path: Path
     num_train: int
     num_val: int
+    tool_line: int | None = None  # the first line that calls on tools (None: no line does)
 
 
 def default_data_cache() -> Path:
@@ -85,7 +93,12 @@ def prepared_data_set(
     shutil.rmtree(partial, ignore_errors=True)
     try:
         result = prepare_jsonl(source, partial, val_fraction=val_fraction, seed=seed, shape=shape)
-        record = {"digest": digest, "num_train": result.num_train, "num_val": result.num_val}
+        record = {
+            "digest": digest,
+            "num_train": result.num_train,
+            "num_val": result.num_val,
+            "tool_line": result.tool_line,
+        }
         (partial / MARKER).write_text(json.dumps(record))
         try:
             partial.rename(folder)
@@ -117,7 +130,13 @@ def _read_marker(folder: Path, digest: str) -> Prepared | None:
         return None
     if not isinstance(record, dict) or record.get("digest") != digest:
         return None
-    return Prepared(folder, int(record["num_train"]), int(record["num_val"]))
+    tool_line = record.get("tool_line")  # left out by folders prepared before tool calling
+    return Prepared(
+        folder,
+        int(record["num_train"]),
+        int(record["num_val"]),
+        None if tool_line is None else int(tool_line),
+    )
 
 
 def bring_data(config: MasterConfig, *, cache: Path | None = None) -> MasterConfig:
@@ -134,6 +153,7 @@ def bring_data(config: MasterConfig, *, cache: Path | None = None) -> MasterConf
             seed=config.sft.seed if train.seed is None else train.seed,
             cache=cache,
         )
+        _check_tools(config, train.data_path, got)
         train = train.model_copy(update={**_named_by(got), "split": "train"})
         if validation is None and got.num_val:  # the held-out part reads as the train file
             validation = ValidationDataConfig(
@@ -146,11 +166,20 @@ def bring_data(config: MasterConfig, *, cache: Path | None = None) -> MasterConf
             cache=cache,
             key="data.validation.data_path",
         )
+        _check_tools(config, validation.data_path, got)
         validation = validation.model_copy(update={**_named_by(got), "split": "train"})
     if train.virtual_epoch_length is None:
         train = train.model_copy(update={"virtual_epoch_length": _one_pass(config, train)})
     updates = {"train": train, "validation": validation}
     return config.model_copy(update={"data": data.model_copy(update=updates)})
+
+
+def _check_tools(config: MasterConfig, data_path: str, prepared: Prepared) -> None:
+    """Refuse, naming the file and line, tool calling with the byte tokenizer (it has no
+    layout for tools: tool_calls.py)."""
+    if prepared.tool_line is not None and config.policy.tokenizer.is_byte:
+        source = str(Path(data_path).expanduser())
+        raise BadRecordError(source, prepared.tool_line, BYTE_REFUSAL)
 
 
 def _named_by(prepared: Prepared) -> dict[str, Any]:

@@ -23,10 +23,9 @@ newlines, where chat templates put message boundaries). One difference stays, ou
 keys: the layout a template writes after an end-of-turn token (ChatML's newline after
 ``<|im_end|>``) is context here, where NeMo RL's chunks train on it.
 
-Defaults: ``add_eos`` is NeMo RL's (true). ``add_bos`` (NeMo RL: true) and
-``add_generation_prompt`` (NeMo RL: false) keep this runtime's own rows instead (the
-template's text as it renders, and the header as context), which saved runs hold. NeMo RL's
-own config files set all three, so they get NeMo RL's rows.
+Defaults are NeMo RL's: ``add_bos`` and ``add_eos`` true, ``add_generation_prompt`` false.
+Rows exactly as the template renders them, with the header as context, are ``add_bos:
+false`` and ``add_generation_prompt: true``.
 """
 
 from __future__ import annotations
@@ -44,9 +43,9 @@ class ChatFormat(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    add_bos: bool = False  # NeMo RL's default is true (module doc)
+    add_bos: bool = True
     add_eos: bool = True
-    add_generation_prompt: bool = True  # NeMo RL's default is false (module doc)
+    add_generation_prompt: bool = False
 
     def bos_to_add(self, text: str, bos_token: str | None) -> str:
         """The text to put before `text`: the BOS, or nothing."""
@@ -68,6 +67,11 @@ class ChatFormat(BaseModel):
         follows_prompt = messages[index - 1].get("role") in PROMPT_ROLES
         return not (self.add_generation_prompt and follows_prompt)
 
+
+RENDERED_FORMAT = ChatFormat(add_bos=False, add_eos=True, add_generation_prompt=True)
+"""What an encoder gives when called without a format (tools, benchmarks and tests that read
+a template as it renders): the render's own text with its end token, headers as context. A
+run's rows always come from its config's three keys."""
 
 LEGACY_FORMAT = ChatFormat(add_bos=False, add_eos=False, add_generation_prompt=True)
 """The rows with none of the three switches: the template's text as it is, headers as

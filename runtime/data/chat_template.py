@@ -25,7 +25,10 @@ for the raw content, since templates trim, rewrite and re-render it:
 
 Template variables a template reads besides the messages (Qwen3's ``enable_thinking``) come
 from ``policy.tokenizer.chat_template_kwargs`` and go into every render, as keyword
-arguments of ``apply_chat_template`` do.
+arguments of ``apply_chat_template`` do. A conversation's tool definitions (tool_calls.py)
+go into every render of it as ``apply_chat_template(..., tools=tools)``, as NeMo RL passes
+them: where the template writes them (the system block) is context, and an assistant turn
+that calls a tool is supervised as rendered, its calls included.
 
 Character spans become tokens through the offsets of the one tokenization: a token belongs
 to a turn when its characters overlap the turn's, so merges at a boundary cannot shift it.
@@ -42,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from sft_runtime.runtime.data import turn_spans
-from sft_runtime.runtime.data.chat_format import ChatFormat
+from sft_runtime.runtime.data.chat_format import RENDERED_FORMAT, ChatFormat
 from sft_runtime.runtime.data.turn_spans import TEMPLATE_KEY, Messages, Span
 from sft_runtime.runtime.errors import UserInputError
 
@@ -69,6 +72,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     "return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
 )
 TemplateKwargs = dict[str, Any]
+Tools = list[dict[str, Any]] | None  # a conversation's tool definitions (None: no tools)
 
 
 def resolve_template(tokenizer: Any, override: str | None, *, path: str) -> str:
@@ -106,11 +110,13 @@ def render(
     *,
     add_generation_prompt: bool = False,
     template_kwargs: TemplateKwargs | None = None,
+    tools: Tools = None,
 ) -> str:
     """The template's text for `messages` (no tokenization), as transformers renders it,
-    with `template_kwargs` as template variables."""
+    with `template_kwargs` as template variables and `tools` as the tool definitions."""
     return tokenizer.apply_chat_template(
         messages,
+        tools=tools,
         chat_template=template,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
@@ -125,11 +131,12 @@ class ChatTemplate:
     ``apply_chat_template`` spends on a render is converting its input to plain data
     (it accepts message objects, dataclasses, reasoning fields under several names), not the
     template itself. A conversation that is already plain (each message a dict of string
-    ``role`` and ``content``, as the data sets hold them) is rendered by the same compiled
-    template with the same variables directly, which is what those conversions reduce it to;
-    anything else goes through ``apply_chat_template``. The direct render is checked against
-    ``apply_chat_template`` here, and not used if they differ on a probe conversation. The
-    tokenizer's special tokens are read here: build it after they are final.
+    ``role`` and ``content``, as the data sets hold them, and no tools) is rendered by the
+    same compiled template with the same variables directly, which is what those
+    conversions reduce it to; anything else goes through ``apply_chat_template``. The direct
+    render is checked against ``apply_chat_template`` here, and not used if they differ on a
+    probe conversation. The tokenizer's special tokens are read here: build it after they
+    are final.
     """
 
     def __init__(
@@ -154,8 +161,10 @@ class ChatTemplate:
         """Whether plain conversations skip ``apply_chat_template`` (see the class)."""
         return self._direct is not None
 
-    def render(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
-        if self._direct is not None and _plain(messages):
+    def render(
+        self, messages: Messages, *, add_generation_prompt: bool = False, tools: Tools = None
+    ) -> str:
+        if self._direct is not None and tools is None and _plain(messages):
             return self._direct(messages, add_generation_prompt=add_generation_prompt)
         return render(
             self.tokenizer,
@@ -163,15 +172,16 @@ class ChatTemplate:
             self.template,
             add_generation_prompt=add_generation_prompt,
             template_kwargs=self.template_kwargs,
+            tools=tools,
         )
 
     def encode_prompt(
-        self, messages: Messages, *, chat_format: ChatFormat | None = None
+        self, messages: Messages, *, chat_format: ChatFormat | None = None, tools: Tools = None
     ) -> list[int]:
-        """Ids of `messages` followed by the assistant header, as a generation prompt (with
-        the BOS a training row of `chat_format` starts with)."""
-        text = self.render(messages, add_generation_prompt=True)
-        text = (chat_format or ChatFormat()).bos_to_add(text, self.tokenizer.bos_token) + text
+        """Ids of `messages` (with `tools`) followed by the assistant header, as a generation
+        prompt (with the BOS a training row of `chat_format` starts with)."""
+        text = self.render(messages, add_generation_prompt=True, tools=tools)
+        text = (chat_format or RENDERED_FORMAT).bos_to_add(text, self.tokenizer.bos_token) + text
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def tokenize(
@@ -180,37 +190,47 @@ class ChatTemplate:
         *,
         only_unmask_final: bool = False,
         chat_format: ChatFormat | None = None,
+        tools: Tools = None,
     ) -> tuple[list[int], list[bool]]:
-        """Token ids of the rendered conversation and, per token, whether it is supervised,
-        under `chat_format`'s BOS, EOS and header rules (chat_format.py; default its
-        defaults).
+        """Token ids of the rendered conversation (every render with `tools`) and, per
+        token, whether it is supervised, under `chat_format`'s BOS, EOS and header rules
+        (chat_format.py; without one, `RENDERED_FORMAT`).
 
         With `only_unmask_final` only the last assistant turn is. A conversation without an
         assistant turn gets an all-False mask (callers skip it rather than train on nothing).
         """
-        fmt = chat_format or ChatFormat()
-        text = self.render(messages)
+        fmt = chat_format or RENDERED_FORMAT
+        renders = partial(self.render, tools=tools)
+        text = renders(messages)
         bos = fmt.bos_to_add(text, self.tokenizer.bos_token)
         eos = fmt.eos_to_add(text, self.tokenizer.eos_token)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         headed = {i for i in turns if fmt.header_supervised(messages, i)}
         if self.marked and not (bos or eos or headed):  # the template's own marks, as they are
             return _by_generation_markers(
-                self.tokenizer, messages, self.template, only_unmask_final, self.template_kwargs
+                self.tokenizer,
+                messages,
+                self.template,
+                only_unmask_final,
+                self.template_kwargs,
+                tools,
             )
         if self.marked:
-            spans = dict(zip(turns, self._marked_spans(messages, text, len(turns)), strict=True))
+            marked = self._marked_spans(messages, text, len(turns), tools)
+            spans = dict(zip(turns, marked, strict=True))
             if only_unmask_final:
                 turns = turns[-1:]
             spans = {
-                i: (self._header_start(messages, text, i), spans[i][1]) if i in headed else spans[i]
+                i: (self._header_start(renders, messages, text, i), spans[i][1])
+                if i in headed
+                else spans[i]
                 for i in turns
             }
         else:
             if only_unmask_final:
                 turns = turns[-1:]
             located = turn_spans.assistant_spans(
-                self.render, messages, text, turns, self.closers, headers=headed
+                renders, messages, text, turns, self.closers, headers=headed
             )
             spans = dict(zip(turns, located, strict=True))
         whole = bos + text + eos
@@ -220,16 +240,19 @@ class ChatTemplate:
         ids, offsets = _encode_with_offsets(self.tokenizer, whole)
         return ids, tokens_in_spans(offsets, out)
 
-    def _header_start(self, messages: Messages, text: str, index: int) -> int:
-        """Where assistant message `index`'s chunk starts when its header is its own: where
-        the render of the messages before it stops agreeing with the whole render."""
-        return turn_spans.common_prefix(text, self.render(messages[:index]))
+    @staticmethod
+    def _header_start(renders: Callable[..., str], messages: Messages, text: str, i: int) -> int:
+        """Where assistant message `i`'s chunk starts when its header is its own: where the
+        render (`renders`) of the messages before it stops agreeing with the whole render."""
+        return turn_spans.common_prefix(text, renders(messages[:i]))
 
-    def _marked_spans(self, messages: Messages, text: str, count: int) -> list[Span]:
+    def _marked_spans(
+        self, messages: Messages, text: str, count: int, tools: Tools = None
+    ) -> list[Span]:
         """The character spans of the template's ``{% generation %}`` blocks in `text` (its
-        render of `messages`), one per assistant message (`count` of them)."""
+        render of `messages` with `tools`), one per assistant message (`count` of them)."""
         ids, mask = _by_generation_markers(
-            self.tokenizer, messages, self.template, False, self.template_kwargs
+            self.tokenizer, messages, self.template, False, self.template_kwargs, tools
         )
         own, offsets = _encode_with_offsets(self.tokenizer, text)
         if own != ids:
@@ -340,9 +363,11 @@ def _by_generation_markers(
     template: str,
     only_unmask_final: bool,
     template_kwargs: TemplateKwargs | None = None,
+    tools: Tools = None,
 ) -> tuple[list[int], list[bool]]:
     encoded = tokenizer.apply_chat_template(
         messages,
+        tools=tools,
         chat_template=template,
         tokenize=True,
         return_dict=True,

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sft_runtime.runtime.data.chat_format import ChatFormat
+from sft_runtime.runtime.data.chat_format import RENDERED_FORMAT, ChatFormat
 from sft_runtime.runtime.data.data_defaults import fill_from_default
 from sft_runtime.runtime.data.packing import PACKING_ALGORITHMS
 from sft_runtime.runtime.data.placement import MAPPERS
@@ -114,7 +114,7 @@ class _DataFile(_Section):
     chat_key: str = RecordShape.chat_key
     system_key: str | None = RecordShape.system_key
     system_prompt: str | None = RecordShape.system_prompt
-    tool_key: str = RecordShape.tool_key
+    tool_key: str | None = RecordShape.tool_key  # null: the records' tools are not read
     input_key: str = RecordShape.input_key
     output_key: str = RecordShape.output_key
     # NeMo RL's processing keys (data.default usually holds them): see `check_processing`
@@ -218,7 +218,7 @@ class DataConfig(_Section):
     add_eos: bool = _FORMAT.add_eos
     add_generation_prompt: bool = _FORMAT.add_generation_prompt
     shuffle: bool = True  # NeMo RL's; what it means with energon: module doc
-    num_workers: int = Field(0, ge=0)  # NeMo RL's (its default is 1): loader worker processes
+    num_workers: int = Field(1, ge=0)  # NeMo RL's: the loader's worker processes
     train: TrainDataConfig
     energon: EnergonConfig = Field(default_factory=EnergonConfig)
     validation: ValidationDataConfig | None = None
@@ -269,7 +269,7 @@ class SequencePackingConfig(_Section):
     """Whether and how samples are packed into rows of ``max_input_seq_length`` tokens."""
 
     enabled: bool = False
-    algorithm: PackingAlgorithm = "first_fit_decreasing"
+    algorithm: PackingAlgorithm = "modified_first_fit_decreasing"
     max_sequences_per_bin: int | None = Field(None, ge=1)
     # Tokens over the mean a row may take under balanced_greedy_knapsack (see packing.py).
     balanced_knapsack_delta: int = Field(0, ge=0)
@@ -303,7 +303,7 @@ class LoaderSpec(BaseModel):
     tokenizer: TokenizerSpec = TokenizerSpec()
     overlong_samples: OverlongPolicy = "mask"
     skip_bad_samples: bool = False
-    chat_format: ChatFormat = ChatFormat()
+    chat_format: ChatFormat = RENDERED_FORMAT  # the config's, from build_loader_spec
     prompt: str | None = None  # data.train.prompt_file's text
 
     @property

@@ -3,7 +3,10 @@
 Every line is validated before a single shard is written, so a bad file never leaves a half
 prepared data set behind. Samples are stored as a ``json`` part holding the normalized
 ``{"messages": [...]}``, mapped by ``dataset.yaml`` onto
-`sft_runtime.runtime.data.sample.ChatSample`.
+`sft_runtime.runtime.data.sample.ChatSample`. A data set where some conversation defines
+tools (tool_calls.py) stores ``"tools"`` beside the messages of every sample (null where
+a conversation has none) and maps it too, so training renders each conversation with its
+tools as the checks here did; one without tools is stored as before.
 The train/val split is decided per sample (seeded), and each split gets its own shard
 files, because energon's ``--split-ratio`` splits whole shards and would give an empty or
 oversized val split for small inputs; energon's own preparation then indexes the shards
@@ -23,12 +26,12 @@ import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from sft_runtime.runtime.data.record_shapes import RecordShape
-from sft_runtime.runtime.data.records import BadRecordError, parse_line
+from sft_runtime.runtime.data.records import BadRecordError, Conversation, parse_line
 from sft_runtime.runtime.errors import UserInputError
 
 if TYPE_CHECKING:
@@ -41,6 +44,7 @@ sample_type:
 field_map:
   messages: json[messages]
 """
+TOOLS_FIELD = "  tools: json[tools]\n"  # mapped in data sets whose samples store tools
 SPLITS = ("train", "val")
 #: Inputs larger than this many bytes get a progress bar.
 PROGRESS_MIN_BYTES = 4 * 1024 * 1024
@@ -58,6 +62,7 @@ class PrepareResult:
     num_val: int
     skipped_lines: list[int]
     num_shards: int
+    tool_line: int | None = None  # the first line that calls on tools (tool_calls.py)
 
 
 def sample_key(line_no: int) -> str:
@@ -81,11 +86,15 @@ def _iter_lines(path: Path, advance: Callable[[int], None]) -> Iterator[tuple[in
 
 def write_shards(
     out_dir: Path,
-    samples: Iterable[tuple[str, str, list[dict[str, str]]]],
+    samples: Iterable[tuple[str, str, list[dict[str, Any]] | Conversation]],
     *,
     shard_size: int,
+    with_tools: bool = False,
 ) -> dict[str, int]:
-    """Write (split, key, messages) samples as ``<split>-NNNNNN.tar`` shards; counts per split."""
+    """Write (split, key, conversation or its messages) samples as ``<split>-NNNNNN.tar``
+    shards; counts per split. With `with_tools` every sample stores its ``tools`` (null
+    where it has none), which the data set's ``dataset.yaml`` must then map
+    (`energon_prepare`); without it a sample that has tools is refused."""
     import webdataset
 
     if shard_size < 1:
@@ -94,15 +103,20 @@ def write_shards(
     writers: dict[str, webdataset.ShardWriter] = {}
     counts = dict.fromkeys(SPLITS, 0)
     try:
-        for split, key, messages in samples:
+        for split, key, chat in samples:
             if split not in writers:
                 pattern = str(out_dir / f"{split}-%06d.tar")
                 # A fixed mtime makes the same input give byte-identical shards.
                 writers[split] = webdataset.ShardWriter(
                     pattern, maxcount=shard_size, verbose=0, mtime=0
                 )
-            payload = orjson.dumps({"messages": messages})
-            writers[split].write({"__key__": key, "json": payload})
+            conversation = chat if isinstance(chat, Conversation) else Conversation(chat)
+            record: dict[str, Any] = {"messages": conversation.messages}
+            if with_tools:
+                record["tools"] = conversation.tools
+            elif conversation.tools is not None:
+                raise ValueError(f"sample {key} has tools: write_shards needs with_tools=True")
+            writers[split].write({"__key__": key, "json": orjson.dumps(record)})
             counts[split] += 1
     finally:
         for writer in writers.values():
@@ -110,8 +124,9 @@ def write_shards(
     return counts
 
 
-def energon_prepare(out_dir: Path, splits: Iterable[str]) -> None:
-    """Index the shards with energon's own preparation and write ``.nv-meta/dataset.yaml``.
+def energon_prepare(out_dir: Path, splits: Iterable[str], *, with_tools: bool = False) -> None:
+    """Index the shards with energon's own preparation and write ``.nv-meta/dataset.yaml``
+    (mapping the samples' ``tools`` too when they were written `with_tools`).
 
     Uses energon's Python entry point (what ``energon prepare --split-parts`` calls) with
     its chatter captured, so no subprocess and no second torch import is needed.
@@ -131,7 +146,8 @@ def energon_prepare(out_dir: Path, splits: Iterable[str]) -> None:
             split_parts_patterns=patterns,
             workers=1,
         )
-    (out_dir / ".nv-meta" / "dataset.yaml").write_text(DATASET_YAML)
+    fields = DATASET_YAML + (TOOLS_FIELD if with_tools else "")
+    (out_dir / ".nv-meta" / "dataset.yaml").write_text(fields)
 
 
 def _progress(total: int, label: str, min_bytes: int | None = None):
@@ -187,14 +203,18 @@ def load_template_tokenizer(
         ) from exc
 
 
-def render_reason(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> str | None:
-    """Why training could not learn from `messages` under `tokenizer`'s chat template, or
-    None. Renders as the task encoder does; any error of the render is the template's
-    verdict (jinja2's TemplateError from ``raise_exception``, ValueError, ...)."""
+def render_reason(
+    tokenizer: ChatTokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> str | None:
+    """Why training could not learn from `messages` (with `tools`) under `tokenizer`'s chat
+    template, or None. Renders as the task encoder does; any error of the render is the
+    template's verdict (jinja2's TemplateError from ``raise_exception``, ValueError, ...)."""
     import jinja2
 
     try:
-        _, supervised = tokenizer.encode_chat(messages)
+        _, supervised = tokenizer.encode_chat(messages, tools=tools)
     except Exception as exc:  # noqa: BLE001 - reported as the line's reason
         detail = _one_line(exc)
         if not isinstance(exc, jinja2.TemplateError):
@@ -241,14 +261,18 @@ def prepare_jsonl(
 
     good: list[int] = []
     skipped: list[int] = []
+    tool_line: int | None = None  # the first line that calls on tools
+    with_tools = False  # whether a line defines tools: the samples then store them
     label, min_bytes = (
         ("checking", None) if renderer is None else ("rendering", RENDER_PROGRESS_MIN_BYTES)
     )
     with _progress(total, label, min_bytes) as advance:
         for line_no, raw in _iter_lines(input_path, advance):
             try:
-                messages = parse_line(raw, source=source, line_no=line_no, shape=shape)
-                reason = None if renderer is None else render_reason(renderer, messages)
+                chat = parse_line(raw, source=source, line_no=line_no, shape=shape)
+                reason = None
+                if renderer is not None:
+                    reason = render_reason(renderer, chat.messages, chat.tools)
                 if reason is not None:
                     raise BadRecordError(source, line_no, reason)
             except BadRecordError:
@@ -257,6 +281,9 @@ def prepare_jsonl(
                 skipped.append(line_no)
                 continue
             good.append(line_no)
+            with_tools = with_tools or chat.tools is not None
+            if tool_line is None and chat.uses_tools:
+                tool_line = line_no
     if not good:
         raise UserInputError(f"{source}: no valid conversations")
 
@@ -266,21 +293,22 @@ def prepare_jsonl(
     val_lines = set(random.Random(seed).sample(good, num_val))
     wanted = set(good)
 
-    def samples() -> Iterator[tuple[str, str, list[dict[str, str]]]]:
+    def samples() -> Iterator[tuple[str, str, Conversation]]:
         with _progress(total, "writing") as advance:
             for line_no, raw in _iter_lines(input_path, advance):
                 if line_no in wanted:
-                    messages = parse_line(raw, source=source, line_no=line_no, shape=shape)
+                    chat = parse_line(raw, source=source, line_no=line_no, shape=shape)
                     split = "val" if line_no in val_lines else "train"
-                    yield split, sample_key(line_no), messages
+                    yield split, sample_key(line_no), chat
 
-    counts = write_shards(out_dir, samples(), shard_size=shard_size)
+    counts = write_shards(out_dir, samples(), shard_size=shard_size, with_tools=with_tools)
     splits = [split for split in SPLITS if counts[split] > 0]
-    energon_prepare(out_dir, splits)
+    energon_prepare(out_dir, splits, with_tools=with_tools)
     return PrepareResult(
         out_dir=out_dir,
         num_train=counts["train"],
         num_val=counts["val"],
         skipped_lines=skipped,
         num_shards=len(list(out_dir.glob("*.tar"))),
+        tool_line=tool_line,
     )

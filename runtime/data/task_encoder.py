@@ -23,14 +23,16 @@ conversations as the unpacked one, and the loader's state (energon's) is the sam
 ``first_fit_shuffle`` draws from a private `random.Random` seeded by the step's source ids.
 
 Before a conversation is rendered, a ``prompt_file``'s prompt takes its first user message
-(prompt_file.py); the tokenizer renders it under the ``data.add_bos``, ``add_eos`` and
-``add_generation_prompt`` rules (chat_format.py).
+(prompt_file.py); the tokenizer renders it, with the sample's tool definitions where it has
+some (tool_calls.py), under the ``data.add_bos``, ``add_eos`` and ``add_generation_prompt``
+rules (chat_format.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,6 +69,7 @@ def encode_conversation(
     only_unmask_final: bool = False,
     chat_format: ChatFormat | None = None,
     prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[float]]:
     """Token ids truncated to `max_length` and the loss mask (targets, first token never)."""
     ids, supervised = apply_chat_template(
@@ -74,6 +77,7 @@ def encode_conversation(
         with_prompt(messages, prompt),
         only_unmask_final=only_unmask_final,
         chat_format=chat_format,
+        tools=tools,
     )
     ids, supervised = ids[:max_length], supervised[:max_length]
     mask = [0.0] + [1.0 if s else 0.0 for s in supervised[1:]]
@@ -89,6 +93,7 @@ def encode_sample_tokens(
     overlong: str,
     chat_format: ChatFormat | None = None,
     prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[float], bool]:
     """`encode_conversation` under an overlong policy: (ids, loss mask, was it overlong)."""
     ids, supervised = apply_chat_template(
@@ -96,6 +101,7 @@ def encode_sample_tokens(
         with_prompt(messages, prompt),
         only_unmask_final=only_unmask_final,
         chat_format=chat_format,
+        tools=tools,
     )
     too_long = len(ids) > max_length
     if too_long and overlong == "drop":
@@ -193,6 +199,7 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedChat, EncodedChat, SFTBatch]
                 overlong=self.overlong,
                 chat_format=self.chat_format,
                 prompt=self.prompt,
+                tools=sample.tools,
             )
         except Exception as exc:  # noqa: BLE001 - a template's refusal can be any type
             # One zero-weight pad token holds the sample's place; the error rides along.

@@ -9,7 +9,9 @@ Its chat template: ``BOS`` then per message ``<role> content EOS``. The supervis
 assistant message is its content and its closing EOS (the model must learn to stop); role
 markers and everything said by system and user are context. The layout has BOS and EOS
 already, so ``data.add_bos`` and ``data.add_eos`` add nothing; the assistant marker is the
-header that ``data.add_generation_prompt: false`` trains on (chat_format.py).
+header that ``data.add_generation_prompt: false`` trains on (chat_format.py). It has no
+layout for tool calling (tool_calls.py): a conversation with tools, tool calls or tool
+results is refused, never trained on without them.
 
 A Hugging Face tokenizer renders conversations with its own chat template (or the one
 ``policy.tokenizer.chat_template`` supplies) and is supervised on the assistant turns as that
@@ -27,7 +29,8 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, field_serializer, model_validator
 
 from sft_runtime.runtime.data import chat_template as hf_chat
-from sft_runtime.runtime.data.chat_format import ChatFormat
+from sft_runtime.runtime.data.chat_format import RENDERED_FORMAT, ChatFormat
+from sft_runtime.runtime.data.tool_calls import BYTE_REFUSAL, uses_tools
 from sft_runtime.runtime.errors import UserInputError
 
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -144,10 +147,11 @@ class ChatTokenizer(Protocol):
 
     def encode_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         *,
         only_unmask_final: bool = False,
         chat_format: ChatFormat | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], list[bool]]: ...
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]: ...
@@ -179,18 +183,23 @@ class ByteTokenizer:
 
     def encode_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         *,
         only_unmask_final: bool = False,
         chat_format: ChatFormat | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], list[bool]]:
         """Token ids of a conversation and, per token, whether it belongs to a supervised
         reply (only the last one with `only_unmask_final`).
 
         The layout already opens with BOS and closes every message with EOS, so
         `chat_format`'s ``add_bos`` and ``add_eos`` find nothing to add; an assistant
-        message's role marker is its header, trained on where `chat_format` says so."""
-        fmt = chat_format or ChatFormat()
+        message's role marker is its header, trained on where `chat_format` says so.
+        Tool calling has no layout here: `tools`, a call or a tool's result is a
+        ValueError (module doc)."""
+        if uses_tools(messages, tools):
+            raise ValueError(BYTE_REFUSAL)
+        fmt = chat_format or RENDERED_FORMAT
         last_assistant = max(
             (i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1
         )
@@ -299,16 +308,17 @@ class HFChatTokenizer:
 
     def encode_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         *,
         only_unmask_final: bool = False,
         chat_format: ChatFormat | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], list[bool]]:
-        """Ids as ``apply_chat_template(messages, tokenize=True)`` gives them, with the BOS
-        and EOS `chat_format` adds, and which of them are the assistant turns' (see
-        chat_template.py and chat_format.py)."""
+        """Ids as ``apply_chat_template(messages, tools=tools, tokenize=True)`` gives them,
+        with the BOS and EOS `chat_format` adds, and which of them are the assistant turns'
+        (see chat_template.py and chat_format.py)."""
         return self._chat.tokenize(
-            messages, only_unmask_final=only_unmask_final, chat_format=chat_format
+            messages, only_unmask_final=only_unmask_final, chat_format=chat_format, tools=tools
         )
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
@@ -398,18 +408,19 @@ def build_tokenizer(spec: TokenizerSpec | None = None) -> ChatTokenizer:
 
 def apply_chat_template(
     tokenizer: ChatTokenizer,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     only_unmask_final: bool = False,
     chat_format: ChatFormat | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[bool]]:
     """Token ids of a conversation and, per token, whether it belongs to a supervised reply,
-    in the tokenizer's own template (the byte layout, or a Hugging Face chat template) under
-    `chat_format`'s rules (its defaults when None).
+    in the tokenizer's own template (the byte layout, or a Hugging Face chat template, with
+    the conversation's `tools`) under `chat_format`'s rules (its defaults when None).
 
     With `only_unmask_final` only the last assistant message is supervised; with no
     assistant message nothing is.
     """
     return tokenizer.encode_chat(
-        messages, only_unmask_final=only_unmask_final, chat_format=chat_format
+        messages, only_unmask_final=only_unmask_final, chat_format=chat_format, tools=tools
     )

@@ -23,7 +23,9 @@ think block, the last one with it), located by the renders that still agree with
 - end: the last message ends with the whole render; otherwise the render ending with the
   turn, when it is a prefix; otherwise the render through the message after the turn must
   be a prefix, and the turn ends after the first special token (its end-of-turn token)
-  from its start on.
+  from its start on. Tool results that follow one another may render as one turn (Qwen's
+  templates), which only the render through the last of them closes as the whole render
+  does: the render through that last one bounds the search then.
 
 Anything else (a template that also rewrites the messages before a turn, or the message
 after it) cannot be located this way and is refused, naming the message: such a template
@@ -105,14 +107,24 @@ def _end(renders: _PrefixRenders, index: int, start: int, closers: tuple[str, ..
     through = renders.get(index + 1)
     if whole.startswith(through):
         return len(through)
-    following = renders.get(index + 2)
-    if not whole.startswith(following):
-        raise _not_located(index)
-    limit = len(following)
+    after = index + 2  # the messages through the one after the turn, then its fellow results
+    while not whole.startswith(renders.get(after)):
+        if not _grouped_results(renders.messages, after):
+            raise _not_located(index)
+        after += 1
+    limit = len(renders.get(after))
     ends = [(at, at + len(c)) for c in closers if (at := whole.find(c, start, limit)) >= 0]
     if not ends:
         raise _not_located(index)
     return min(ends, key=lambda found: (found[0], -found[1]))[1]  # the first, then longest
+
+
+def _grouped_results(messages: Messages, count: int) -> bool:
+    """Whether the `count` first messages end in a tool result that another one follows
+    (templates may render such a run as one turn, closed after its last result)."""
+    if not 0 < count < len(messages):
+        return False
+    return messages[count - 1].get("role") == "tool" and messages[count].get("role") == "tool"
 
 
 class _PrefixRenders:

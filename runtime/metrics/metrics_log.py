@@ -76,15 +76,17 @@ class LoggerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    log_dir: str | None = None  # default: the run directory
+    log_dir: str | None = "logs"  # NeMo RL's; the run directory here (class doc)
     jsonl: bool = True
-    tensorboard_enabled: bool = False  # NeMo RL's name; an optional extra
-    wandb_enabled: bool = False  # NeMo RL's default is true; an optional extra
+    # NeMo RL's default (true) where the optional extra is installed; without it, off
+    tensorboard_enabled: bool = Field(default_factory=lambda: _present("tensorboard"))
+    # NeMo RL's default is true; here a run reaches a third-party service only when asked
+    wandb_enabled: bool = False
     # the block before its switch: the switch's check reads the block's tracking_uri
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     mlflow_enabled: bool = False  # an optional extra
     swanlab_enabled: bool = False  # accepted off only
-    monitor_gpus: bool = False  # NeMo RL's default is true
+    monitor_gpus: bool = True  # NeMo RL's: one line says so where there is no GPU
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     swanlab: SwanlabConfig = Field(default_factory=SwanlabConfig)
@@ -130,6 +132,10 @@ class LoggerConfig(BaseModel):
         sqlite = uri is None or uri.startswith("sqlite:")
         packages = ("mlflow", *(SQL_STORE_PACKAGES if sqlite else ()))
         return _installed(value, "mlflow_enabled", packages, MLFLOW_INSTALL)
+
+
+def _present(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
 
 
 def _installed(enabled: bool, key: str, packages: tuple[str, ...], install: str) -> bool:
@@ -225,7 +231,7 @@ class MetricsLogger:
         (the whole config, as plain data) becomes the W&B config and the MLflow params."""
         c = logger_config
         return cls(
-            c.log_dir or run_dir,
+            run_dir,
             jsonl=c.jsonl,
             tensorboard=c.tensorboard_enabled,
             tensorboard_dir=c.tensorboard.log_dir,

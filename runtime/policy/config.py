@@ -187,19 +187,22 @@ def check_scheduler(spec: SchedulerSpec, base_lr: float) -> None:
 class DTensorConfig(BaseModel):
     """NeMo RL's ``policy.dtensor_cfg``: FSDP2 over the data-parallel workers, and LoRA.
 
-    ``enabled: false`` (this runtime's default; NeMo RL's is true) keeps a whole replica on
-    every worker. ``enabled: true`` shards parameters, gradients and optimizer state with
+    ``enabled: true`` (NeMo RL's default) shards parameters, gradients and optimizer state with
     FSDP2 (each decoder layer and the root ``fully_shard``ed over the workers' mesh), so a
     model larger than one device fits; ``dp_replicate_size`` > 1 makes the mesh
-    two-dimensional (replicate x shard, HSDP). ``param_dtype``/``reduce_dtype`` (ours) are
-    FSDP2's `MixedPrecisionPolicy` (null: the parameters' own, float32). Tensor, sequence and
-    context parallelism, a custom plan, CPU offload, ``env_vars`` and ``automodel_kwargs``
-    are accepted only at the value that turns nothing on.
+    two-dimensional (replicate x shard, HSDP); ``enabled: false`` keeps a whole replica on
+    every worker. ``param_dtype``/``reduce_dtype`` (ours) are
+    FSDP2's `MixedPrecisionPolicy` (null: the parameters' own, float32). ``cpu_offload``
+    is FSDP2's `CPUOffloadPolicy`: the shards of parameters, gradients and optimizer state
+    stay in host memory, each layer's parameters are copied to the device for its forward
+    and backward, and the optimizer step runs on the CPU. Tensor, sequence and context
+    parallelism, a custom plan, ``env_vars`` and ``automodel_kwargs`` are accepted only at
+    the value that turns nothing on.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
-    enabled: bool = False
+    enabled: bool = True
     v2: bool = Field(True, alias="_v2")  # NeMo RL's worker version: one worker here
     activation_checkpointing: bool = False
     dp_replicate_size: int = Field(1, ge=1)
@@ -222,7 +225,6 @@ class DTensorConfig(BaseModel):
             "context_parallel_size": 1,
             "sequence_parallel": False,
             "custom_parallel_plan": None,
-            "cpu_offload": False,
             "env_vars": {},
             "automodel_kwargs": {},
         }
@@ -236,6 +238,8 @@ class DTensorConfig(BaseModel):
             needs = [k for k in ("param_dtype", "reduce_dtype") if getattr(self, k) is not None]
             if self.dp_replicate_size != 1:
                 needs.append("dp_replicate_size")
+            if self.cpu_offload:  # offloads FSDP2's shards: a whole replica has none
+                needs.append("cpu_offload")
             if needs:
                 raise ValueError(
                     f"policy.dtensor_cfg.{needs[0]} is set but policy.dtensor_cfg.enabled is "
@@ -263,24 +267,22 @@ class MegatronConfig(BaseModel):
 
 
 class DynamicBatchingConfig(BaseModel):
-    """NeMo RL's ``policy.dynamic_batching``, accepted disabled (its base config's value)."""
+    """NeMo RL's ``policy.dynamic_batching``: with ``enabled`` each rank's rows, sorted by
+    length, go into micro-batches of at most ``train_mb_tokens`` padded tokens (rows x the
+    longest row rounded up to ``sequence_length_round``) instead of
+    ``train_micro_batch_size`` rows (`runtime.policy.dynamic_batches`). ``train_mb_tokens:
+    null`` is NeMo RL's default, ``max_total_sequence_length`` x ``train_micro_batch_size``,
+    written in by `MasterConfig`, whose rules need the other sections
+    (`check_dynamic_batching`)."""
 
     model_config = _Strict
 
     enabled: bool = False
     train_mb_tokens: int | None = Field(None, ge=1)
+    # accepted and inert: SFT has no logprob pass, and validation keeps
+    # sft.val_micro_batch_size rows a micro-batch
     logprob_mb_tokens: int | None = Field(None, ge=1)
     sequence_length_round: int = Field(64, ge=1)
-
-    @model_validator(mode="after")
-    def _check(self) -> DynamicBatchingConfig:
-        if self.enabled:
-            raise ValueError(
-                "policy.dynamic_batching.enabled=true is not supported yet: use "
-                "policy.sequence_packing.enabled=true (rows of whole conversations up to the "
-                "length limit) for the same throughput"
-            )
-        return self
 
 
 def _nemo_rl_policy_names(data: dict[str, Any]) -> dict[str, Any]:
@@ -316,8 +318,8 @@ class PolicyConfig(BaseModel):
     model_name: str | None = None
     model: ModelConfig = ModelConfig()
     tokenizer: dict | None = None
-    train_global_batch_size: int = Field(8, ge=1)
-    train_micro_batch_size: int = Field(2, ge=1)
+    train_global_batch_size: int = Field(32, ge=1)  # conversations a step
+    train_micro_batch_size: int = Field(1, ge=1)
     # NeMo RL's: the longest row the policy trains on (null: data.max_input_seq_length)
     max_total_sequence_length: int | None = Field(None, ge=2)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
@@ -325,7 +327,7 @@ class PolicyConfig(BaseModel):
     # NeMo RL's: None is a constant rate (see schedule.py)
     scheduler: SchedulerSpec = None
     make_sequence_length_divisible_by: int = Field(1, ge=1)
-    precision: Literal["float32", "bfloat16"] = "float32"
+    precision: Literal["float32", "bfloat16"] = "bfloat16"
     # FSDP2 and the adapters on a frozen base (runtime.lora; the base is stored in `precision`)
     dtensor_cfg: DTensorConfig = DTensorConfig()
     megatron_cfg: MegatronConfig = MegatronConfig()
@@ -368,7 +370,7 @@ class ClusterConfig(BaseModel):
     num_nodes: int = Field(1, ge=1)
     workers_per_node: int = Field(2, ge=1)
     cpus_per_worker: float = Field(1.0, gt=0.0)
-    gpus_per_node: int = Field(0, ge=0)
+    gpus_per_node: int = Field(0, ge=0)  # left out: see _workers_follow_gpus
     placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
     num_threads_per_worker: int = Field(1, ge=1)
     dist_timeout_s: float = Field(60.0, gt=0.0)
@@ -384,12 +386,16 @@ class ClusterConfig(BaseModel):
     @classmethod
     def _workers_follow_gpus(cls, data: Any) -> Any:
         """NeMo RL runs one worker per GPU: ``gpus_per_node: N`` alone means N workers a
-        node. ``workers_per_node`` is ours, for CPU workers (``gpus_per_node: 0``)."""
-        if (
-            isinstance(data, dict)
-            and data.get("gpus_per_node")
-            and (data.get("workers_per_node") is None)
-        ):
+        node. ``workers_per_node`` is ours, for CPU workers (``gpus_per_node: 0``). Left
+        out, ``gpus_per_node`` is NeMo RL's 1 (or a GPU for each of ``workers_per_node``)
+        where this machine has a GPU, and 0 where it has none (NeMo RL's value cannot run
+        there)."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("gpus_per_node") is None:
+            gpus = (data.get("workers_per_node") or 1) if _gpu_visible() else 0
+            data = {**data, "gpus_per_node": gpus}
+        if data["gpus_per_node"] and data.get("workers_per_node") is None:
             return {**data, "workers_per_node": data["gpus_per_node"]}
         return data
 
@@ -412,6 +418,12 @@ class ClusterConfig(BaseModel):
         return 1 if self.gpus_per_node else 0
 
 
+def _gpu_visible() -> bool:
+    import torch  # noqa: PLC0415 - the config module stays importable without touching CUDA
+
+    return torch.cuda.is_available()
+
+
 def check_batch_layout(policy: PolicyConfig, dp_size: int) -> int:
     """Rows each DP rank trains on per step; raises if the global batch does not split evenly."""
     per_rank, rest = divmod(policy.train_global_batch_size, dp_size)
@@ -428,6 +440,42 @@ def check_batch_layout(policy: PolicyConfig, dp_size: int) -> int:
             f"data-parallel size {dp_size}"
         )
     return per_rank
+
+
+def check_dynamic_batching(policy: PolicyConfig, longest: int, *, packing: bool) -> int | None:
+    """The token budget of a dynamic micro-batch, None when dynamic batching is off.
+
+    ``longest`` is the longest row (``data.max_input_seq_length``). A null budget is NeMo
+    RL's default, ``policy.max_total_sequence_length`` (null: ``longest``) x
+    ``train_micro_batch_size``. ValueError naming the key when sequence packing is on too
+    (NeMo RL runs one or the other), or when the budget is smaller than the longest row
+    rounded up to ``sequence_length_round``.
+    """
+    dynamic = policy.dynamic_batching
+    if not dynamic.enabled:
+        return None
+    if packing:
+        raise ValueError(
+            "policy.dynamic_batching.enabled=true together with "
+            "policy.sequence_packing.enabled=true: NeMo RL runs one or the other; turn one off"
+        )
+    default = (policy.max_total_sequence_length or longest) * policy.train_micro_batch_size
+    budget = dynamic.train_mb_tokens or default
+    rounding = dynamic.sequence_length_round
+    row = -(-longest // rounding) * rounding
+    if budget < row:
+        shown = (
+            f"={budget}"
+            if dynamic.train_mb_tokens
+            else " (null: policy.max_total_sequence_length x "
+            f"policy.train_micro_batch_size = {budget})"
+        )
+        raise ValueError(
+            f"policy.dynamic_batching.train_mb_tokens{shown} is smaller than the longest row, "
+            f"{longest} tokens rounded up to policy.dynamic_batching.sequence_length_round="
+            f"{rounding} ({row}): set it to at least {row}"
+        )
+    return budget
 
 
 _M = TypeVar("_M", bound=BaseModel)

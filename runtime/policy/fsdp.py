@@ -16,6 +16,13 @@ What the rest of the replica relies on keeps its meaning:
 - `full_state_dict` gathers the whole model under its own parameter names (what the
   inspection calls and the exact-resume tests compare); it is a collective.
 
+With ``policy.dtensor_cfg.cpu_offload`` every unit takes FSDP2's `CPUOffloadPolicy`: the
+shards of parameters, gradients and optimizer state live in host memory (`param_device`),
+each unit's parameters are gathered on the device for its forward and backward, and the
+optimizer step and `grad_norm` run on the CPU. Buffers stay on the device, where the forward
+runs. With CUDA the process group then needs gloo beside NCCL for the collectives over CPU
+tensors (`rendezvous.backend`); on a CPU device nothing moves and the numbers are the same.
+
 Activation checkpointing recomputes each decoder layer in the backward pass (our transformer
 through ``checkpoint_blocks``, a Hugging Face model through its own switch), so parameter
 names never change.
@@ -76,22 +83,59 @@ def build_mesh(parallel: DTensorConfig, world_size: int, device: torch.device) -
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
 
 
+def param_device(parallel: DTensorConfig, device: torch.device) -> torch.device:
+    """Where this rank's parameter shards live: host memory with ``cpu_offload``."""
+    return torch.device("cpu") if parallel.cpu_offload else device
+
+
+def buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Every buffer (rotary frequencies and the like) onto ``device``, where the forward
+    runs; a buffer shared by two modules stays one tensor. FSDP2 offloads parameters only,
+    so a skeleton filled in host memory (``cpu_offload``) puts its buffers back here."""
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                if id(buffer) not in moved:
+                    moved[id(buffer)] = (buffer, buffer.to(device))
+                module._buffers[name] = moved[id(buffer)][1]
+
+
 def shard_model(model: nn.Module, parallel: DTensorConfig, mesh: Any) -> None:
     """`fully_shard` each decoder layer, then the root (which takes the embeddings, the
-    final norm and the LM head, tied or not); gradients are summed over the ranks."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    final norm and the LM head, tied or not); gradients are summed over the ranks. With
+    ``cpu_offload`` the shards are kept in host memory, pinned where the device is a GPU
+    (copies to and from it can then overlap the compute)."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mp = MixedPrecisionPolicy(
         param_dtype=DTYPES.get(parallel.param_dtype or ""),
         reduce_dtype=DTYPES.get(parallel.reduce_dtype or ""),
     )
+    offload = (
+        CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+        if parallel.cpu_offload
+        else OffloadPolicy()  # fully_shard's default: nothing offloaded
+    )
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again at once by the backward pass
         reshard = parallel.reshard_after_forward and i < len(layers) - 1
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(
+            layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload
+        )
     fully_shard(
-        model, mesh=mesh, reshard_after_forward=parallel.reshard_after_forward, mp_policy=mp
+        model,
+        mesh=mesh,
+        reshard_after_forward=parallel.reshard_after_forward,
+        mp_policy=mp,
+        offload_policy=offload,
     )
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -106,7 +150,9 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def grad_norm(params: list[nn.Parameter], max_norm: float | None) -> float:
-    """The global gradient norm (shards reduced over the mesh); clips when ``max_norm``."""
+    """The global gradient norm (shards reduced over the mesh); clips when ``max_norm``.
+    Computed where the gradient shards are: in host memory with ``cpu_offload`` (the
+    reduction then goes through the process group's CPU backend)."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
@@ -228,9 +274,30 @@ def load_shards(
     load_sharded_state(model, optimizer, state)
 
 
+def offloaded_elements(model: nn.Module) -> int:
+    """Elements of this rank's parameter shards that FSDP2 keeps in host memory under a
+    `CPUOffloadPolicy`, as FSDP2's own records of each unit say (0 when nothing is)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+        for group in groups:
+            if group is None or not isinstance(group.offload_policy, CPUOffloadPolicy):
+                continue
+            for fsdp_param in group.fsdp_params:
+                local = fsdp_param.sharded_param.to_local()
+                total += local.numel() if local.device.type == "cpu" else 0
+    return total
+
+
 def local_storage(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Elements this rank stores (``*_local``) and the whole model's (``*_full``), for
-    parameters, gradients and optimizer state, read from the DTensor shards."""
+    parameters, gradients and optimizer state, read from the DTensor shards; and of its
+    parameter shards kept in host memory by ``cpu_offload`` (``params_offloaded_local``)."""
     from torch.distributed.tensor import DTensor
 
     def local(t: torch.Tensor) -> int:
@@ -248,4 +315,5 @@ def local_storage(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
         "grads_full": sum(g.numel() for g in grads),
         "optimizer_local": sum(local(v) for v in moments),
         "optimizer_full": sum(v.numel() for v in moments),
+        "params_offloaded_local": offloaded_elements(model),
     }

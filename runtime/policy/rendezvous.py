@@ -20,6 +20,15 @@ import torch.distributed as dist
 LOCALHOST = "127.0.0.1"
 
 
+def backend(gpu: bool, *, cpu_offload: bool = False) -> str:
+    """The process group's backend: gloo on CPU, NCCL with a GPU; with a GPU and
+    ``policy.dtensor_cfg.cpu_offload`` both, per device type, since the gradient norm and
+    the gathered state then reduce tensors held in host memory."""
+    if not gpu:
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
 def serve(timeout_s: float = 300.0) -> dist.TCPStore:
     """A listening store on a port the kernel picks (``.port``); the ranks connect later."""
     return dist.TCPStore(

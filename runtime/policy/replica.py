@@ -5,7 +5,8 @@ The step is split in three so the controller can fan out each phase and trace it
 1. `begin` - one all-reduce of the ranks' supervised-token counts gives the global
    normalizer; gradients are cleared. Every rank must call it (it is a collective).
 2. `train` - forward/backward over the rank's own batch in micro-batches of
-   ``policy.train_micro_batch_size`` rows, accumulating gradients. Purely local.
+   ``policy.train_micro_batch_size`` rows (with ``policy.dynamic_batching``, of rows sorted
+   by length up to a token budget: `dynamic_batches`), accumulating gradients. Purely local.
 3. `finish` - one all-reduce (SUM) of a flat buffer holding every gradient and the loss sum,
    gradient clipping, the LR for this step, the AdamW step. A collective.
 
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ from sft_runtime.runtime.errors import PeerStepError
 from sft_runtime.runtime.lora.adapters import add_adapters, init_adapters
 from sft_runtime.runtime.policy import fsdp
 from sft_runtime.runtime.policy.config import PolicyConfig
+from sft_runtime.runtime.policy.dynamic_batches import token_budget_micro_batches
 from sft_runtime.runtime.policy.loss import NLLLossFn, read_metrics
 from sft_runtime.runtime.policy.model import build_model, forward_logits
 from sft_runtime.runtime.policy.replica_state import ReplicaState
@@ -110,7 +113,11 @@ class Replica(ReplicaState):
             from sft_runtime.runtime.policy.hf_shards import fill_from_folder
 
             assert self.policy.model_name is not None
-            self.start_read = fill_from_folder(self.model, self.policy.model_name, self.device)
+            # offloaded, the shards live in host memory and only the buffers on the device
+            params_at = fsdp.param_device(self.policy.dtensor_cfg, self.device)
+            self.start_read = fill_from_folder(self.model, self.policy.model_name, params_at)
+            if params_at != self.device:
+                fsdp.buffers_to(self.model, self.device)
             if self.lora:
                 init_adapters(self.model, self.policy.dtensor_cfg.lora_cfg, seed=self.seed)
         self.sharded = True
@@ -153,8 +160,8 @@ class Replica(ReplicaState):
     def train(
         self, batch: SFTBatch | None = None, error: Exception | None = None
     ) -> dict[str, Any]:
-        """Forward/backward over the batch (default: the one `begin` counted) in micro-batches,
-        accumulating gradients.
+        """Forward/backward over the batch (default: the one `begin` counted) in micro-batches
+        (`_micro_batches`), accumulating gradients.
 
         Sharded, every forward and backward is a collective (parameters are gathered,
         gradients reduce-scattered), so the ranks keep in step: they agree first that all of
@@ -163,31 +170,33 @@ class Replica(ReplicaState):
         passes with a zero loss before every rank raises, so the step can be aborted and
         the group trains on.
         """
-        size = self.policy.train_micro_batch_size
         open_step = self._open
         mine = batch if batch is not None else open_step.batch if open_step else None
-        passes = 0 if mine is None else -(-mine.num_rows // size)
+        ordered, spans = (None, []) if mine is None else self._micro_batches(mine)
+        passes = len(spans)
         if self.sharded:
             failed = error is not None or open_step is None or open_step.trained
-            # packed rows vary per rank: every rank runs the most micro-batches any runs
+            # packed rows and token budgets vary per rank: every rank runs the most
+            # micro-batches any runs
             passes = self.agree(failed, "train_step", passes=0 if failed else passes)
         if error is not None:
             raise error
         step = self._require_open("train_step")
         if step.trained:
             raise RuntimeError("train_step called twice in one step")
-        batch = step.batch if batch is None else batch
         self.model.train()
         multiple = self.policy.make_sequence_length_divisible_by
+        dynamic = self.policy.dynamic_batching
+        round_to = dynamic.sequence_length_round if dynamic.enabled else 1
         t_all = time.perf_counter()
-        batch = batch.to(self.device)  # once, not per micro-batch (no copy on the CPU)
+        batch = ordered.to(self.device)  # once, not per micro-batch (no copy on the CPU)
         loss_error: Exception | None = None
-        for start in range(0, passes * size, size):
-            if start >= batch.num_rows:  # a pass that only keeps the peers' collectives
+        for k in range(passes):
+            if k >= len(spans):  # a pass that only keeps the peers' collectives
                 mb = batch.rows(0, 1).trimmed(multiple)
                 mb = replace(mb, loss_mask=torch.zeros_like(mb.loss_mask))
             else:  # no forward over columns that are padding in every row of this micro-batch
-                mb = batch.rows(start, min(start + size, batch.num_rows)).trimmed(multiple)
+                mb = batch.rows(*spans[k]).trimmed(multiple, round_to)
             t0 = time.perf_counter()
             with self.autocast():
                 logits = forward_logits(self.model, mb)
@@ -199,7 +208,7 @@ class Replica(ReplicaState):
                 loss_error = loss_error or exc
                 loss, metrics = logits.sum() * 0.0, None  # the peers' collectives still match
             loss.backward()
-            if metrics is not None and start < batch.num_rows:
+            if metrics is not None and k < len(spans):
                 metrics["rows"] = float(mb.num_rows)
                 metrics["forward_backward_s"] = time.perf_counter() - t0
                 step.micro_batches.append(metrics)
@@ -300,6 +309,25 @@ class Replica(ReplicaState):
         return StepUndone(aborted=was_open, step=self.steps_done)
 
     # ----------------------------------------------------------------- helpers
+    def _micro_batches(self, batch: SFTBatch) -> tuple[SFTBatch, list[tuple[int, int]]]:
+        """The batch with its rows in the order the micro-batches take them, and each
+        micro-batch's rows [start, stop) of it: ``train_micro_batch_size`` rows at a time,
+        or with ``dynamic_batching`` the token-budget plan (`dynamic_batches`) over the
+        rows' lengths, read off ``cu_seqlens`` (no device sync)."""
+        dynamic = self.policy.dynamic_batching
+        if not dynamic.enabled:
+            size, rows = self.policy.train_micro_batch_size, batch.num_rows
+            return batch, [(s, min(s + size, rows)) for s in range(0, rows, size)]
+        lengths = [bounds[-1] for bounds in batch.cu_seqlens]
+        # a PolicyConfig outside a run config may leave the budget null: the rows as padded
+        budget = dynamic.train_mb_tokens or (
+            int(batch.input_ids.shape[1]) * self.policy.train_micro_batch_size
+        )
+        plan = token_budget_micro_batches(lengths, budget, dynamic.sequence_length_round)
+        ends = list(accumulate(len(rows) for rows in plan))
+        spans = list(zip([0, *ends[:-1]], ends, strict=True))
+        return batch.take([i for rows in plan for i in rows]), spans
+
     def _require_open(self, phase: str) -> _OpenStep:
         if self._open is None:
             raise RuntimeError(f"{phase} called without begin_train_step")

@@ -8,8 +8,9 @@ Lifecycle, driven by `PolicyWorkerGroup`: the constructor pins the torch thread 
 seeds python/numpy/torch (``seed + rank``) and builds the model from ``seed`` alone (the
 same initial weights on every rank); `rendezvous_address` on rank 0 returns its node IP and
 a free port; `init_distributed` on every rank then joins torch.distributed (gloo on CPU,
-NCCL with a GPU) with an explicit timeout, so a rank that never arrives fails the group
-instead of hanging for gloo's default 30 minutes.
+NCCL with a GPU, both with a GPU and ``cpu_offload``: `rendezvous.backend`) with an explicit
+timeout, so a rank that never arrives fails the group instead of hanging for gloo's default
+30 minutes.
 
 One training step has three phases (see `runtime.policy.replica`): begin (collective:
 the global token count), train (local forward/backward) and finish (collective: gradients,
@@ -120,7 +121,7 @@ class PolicyWorkerBase(LoaderOwner):
         self, master_addr: str, master_port: int, *, _otel_carrier: dict | None = None
     ) -> dict[str, Any]:
         """Join the process group of all DP ranks; fails after ``cluster.dist_timeout_s``."""
-        backend = "nccl" if self.has_gpu else "gloo"
+        backend = rendezvous.backend(self.has_gpu, cpu_offload=self.policy.dtensor_cfg.cpu_offload)
         store, self._store = self._store, None  # the process group keeps it from here on
         rendezvous.join(
             backend,

@@ -27,6 +27,7 @@ import yaml
 from sft_runtime.runtime.checkpoint.save import IDENTITIES_INFO_KEY
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.resume.config_keys import (
+    BEFORE_THE_KEY,
     IDENTITY_KEYS,
     KEY_KINDS,
     MISSING,
@@ -217,8 +218,13 @@ def _flat(config: MasterConfig) -> dict[str, Any]:
 
 
 def _default(key: str) -> Any:
-    """The default of a leaf key (`MISSING` for a required one)."""
+    """What a key an older config lacks meant: the value runs had before the key existed
+    where today's default differs (`BEFORE_THE_KEY`), else the default (`MISSING` for a
+    required one)."""
     from sft_runtime.runtime.config import MasterConfig, _model_of
+
+    if key in BEFORE_THE_KEY:
+        return BEFORE_THE_KEY[key]
 
     model: Any = MasterConfig
     *sections, name = key.split(".")

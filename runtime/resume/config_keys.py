@@ -63,11 +63,16 @@ KEY_KINDS: dict[str, Kind] = {
         "policy.tokenizer.chat_template_kwargs",
         "policy.train_global_batch_size",
         "policy.train_micro_batch_size",
+        # the micro-batch split, hence the loss's float rounding
+        "policy.dynamic_batching.enabled",
+        "policy.dynamic_batching.train_mb_tokens",
+        "policy.dynamic_batching.sequence_length_round",
         "policy.make_sequence_length_divisible_by",
         "policy.precision",
         "policy.dtensor_cfg.param_dtype",
         "policy.dtensor_cfg.reduce_dtype",
         "policy.dtensor_cfg.activation_checkpointing",
+        "policy.dtensor_cfg.cpu_offload",  # on a GPU the optimizer steps in CPU code
         "policy.dtensor_cfg.dp_replicate_size",
         "policy.dtensor_cfg.lora_cfg.alpha",
         "policy.dtensor_cfg.lora_cfg.dropout",
@@ -122,7 +127,6 @@ KEY_KINDS: dict[str, Kind] = {
             f"policy.dtensor_cfg.{key}"
             for key in (
                 "v2",
-                "cpu_offload",
                 "sequence_parallel",
                 "tensor_parallel_size",
                 "context_parallel_size",
@@ -132,10 +136,7 @@ KEY_KINDS: dict[str, Kind] = {
             )
         ),
         "policy.megatron_cfg.enabled",
-        "policy.dynamic_batching.enabled",
-        "policy.dynamic_batching.train_mb_tokens",
-        "policy.dynamic_batching.logprob_mb_tokens",
-        "policy.dynamic_batching.sequence_length_round",
+        "policy.dynamic_batching.logprob_mb_tokens",  # no logprob pass in SFT
         "policy.offload_optimizer_for_logprob",
         # a bound and a default of data.max_input_seq_length, which is compared itself
         "policy.max_total_sequence_length",
@@ -263,3 +264,11 @@ def flatten(config: dict[str, Any], keys: list[str]) -> dict[str, Any]:
 
 
 MISSING = "<absent>"
+
+# What a run computed before each of these keys existed, where NeMo RL's default (today's)
+# differs: a checkpoint whose config.yaml lacks the key resumes as it was written.
+BEFORE_THE_KEY: dict[str, Any] = {
+    "data.add_bos": False,
+    "data.add_generation_prompt": True,
+    "data.num_workers": 0,
+}

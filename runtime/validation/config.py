@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sft_runtime.runtime.data.chat_format import ChatFormat
+from sft_runtime.runtime.data.chat_format import RENDERED_FORMAT, ChatFormat
 from sft_runtime.runtime.data.config import OverlongPolicy
 from sft_runtime.runtime.data.integrity import split_shards
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
@@ -39,16 +39,26 @@ class ValidationSpec(BaseModel):
     only_unmask_final: bool = False
     overlong_samples: OverlongPolicy = "mask"
     skip_bad_samples: bool = False
-    chat_format: ChatFormat = ChatFormat()  # data.add_bos, add_eos, add_generation_prompt
+    chat_format: ChatFormat = RENDERED_FORMAT  # the config's data.add_bos, add_eos, ...prompt
     prompt: str | None = None  # data.validation.prompt_file's text
     global_batch_size: int = Field(..., ge=1)
     micro_batch_size: int = Field(..., ge=1)
     num_samples: int | None = Field(None, ge=1)  # None: the whole split
 
 
+def has_validation_data(config: MasterConfig) -> bool:
+    """A validation set named, or a held-out part of the train file."""
+    data = config.data
+    held_out = data.train.data_path is not None and data.train.split_validation_size > 0
+    return data.validation is not None or held_out
+
+
 def validation_enabled(config: MasterConfig) -> bool:
+    """NeMo RL validates when it has a validation set and a schedule; without one its
+    default schedule does nothing (a schedule the user sets is refused by the rules)."""
     sft = config.sft
-    return bool(sft.val_period or sft.val_at_start or sft.val_at_end)
+    scheduled = bool(sft.val_period or sft.val_at_start or sft.val_at_end)
+    return scheduled and has_validation_data(config)
 
 
 def validation_spec(config: MasterConfig) -> ValidationSpec | None:
@@ -78,9 +88,13 @@ def check_validation(config: MasterConfig) -> None:
     """The rules a validation setting must keep, each naming its key (ValueError)."""
     sft, data, ck = config.sft, config.data, config.checkpointing
     enabled = validation_enabled(config)
-    held_out = data.train.data_path is not None and data.train.split_validation_size > 0
-    if enabled and data.validation is None and not held_out:
-        key = next(k for k in ("val_period", "val_at_start", "val_at_end") if getattr(sft, k))
+    asked = [
+        k
+        for k in ("val_period", "val_at_start", "val_at_end")
+        if k in sft.model_fields_set and getattr(sft, k)
+    ]
+    if asked and not has_validation_data(config):
+        key = asked[0]
         raise ValueError(
             f"sft.{key} is set but data.validation is null: give data.validation.path (a "
             "prepared data set; `prepare-data --val-fraction` writes a 'val' split), "

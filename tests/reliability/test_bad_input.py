@@ -42,8 +42,8 @@ NEMO_RL_SFT = Path(__file__).resolve().parents[1] / "support" / "nemo_rl" / "sft
             "policy.megatron_cfg.enabled=true: Megatron-Core is not supported",
         ),
         (
-            "policy.dynamic_batching.enabled=true",
-            "policy.dynamic_batching.enabled=true is not supported yet",
+            "policy.dtensor_cfg.sequence_parallel=true",
+            "policy.dtensor_cfg.sequence_parallel=True is not supported",
         ),
         ("logger.swanlab_enabled=true", "logger.swanlab_enabled"),
         ("+policy.parallel.fsdp=true", "policy.parallel: NeMo RL's name is policy.dtensor_cfg"),
@@ -53,6 +53,10 @@ NEMO_RL_SFT = Path(__file__).resolve().parents[1] / "support" / "nemo_rl" / "sft
         ),
         ("+data.energon.num_workers=2", "data.num_workers"),
         ("data.train.dataset_name=squad", "a hub data set cannot be fetched here"),
+        (
+            "policy.dtensor_cfg.enabled=false policy.dtensor_cfg.cpu_offload=true",
+            "policy.dtensor_cfg.cpu_offload is set but policy.dtensor_cfg.enabled is false",
+        ),
     ],
 )
 def test_nemo_rl_keys_asking_for_what_is_not_here(override, named, tmp_path):
@@ -73,7 +77,7 @@ def test_nemo_rl_keys_asking_for_what_is_not_here(override, named, tmp_path):
             "--config",
             str(NEMO_RL_SFT),
             *base,
-            override,
+            *override.split(),
             "--run-dir",
             str(run_dir),
         ],

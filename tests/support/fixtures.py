@@ -178,6 +178,8 @@ def policy_cfg():
     from sft_runtime.runtime.policy.config import ModelConfig, PolicyConfig
 
     return PolicyConfig(
+        precision="float32",
+        dtensor_cfg={"enabled": False},
         model=ModelConfig(
             vocab_size=sources.VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=sources.SEQ_LEN
         ),

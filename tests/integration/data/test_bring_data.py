@@ -125,12 +125,12 @@ def test_a_preparation_cut_short_is_never_taken_for_a_complete_one(tmp_path, mon
     [
         ({"conversation": "hi"}, "chats.jsonl:1: 'conversation' must be a list of messages"),
         (
-            {"conversation": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]},
-            "chats.jsonl:1: 'tools': tool calling is not supported",
+            {"conversation": [{"role": "user", "content": "x"}], "tools": {"name": "f"}},
+            "chats.jsonl:1: 'tools' must be a list of tool definitions",
         ),
         (
             {"conversation": [{"role": "assistant", "content": "", "tool_calls": [{"id": 1}]}]},
-            "chats.jsonl:1: conversation[0]: tool calling is not supported",
+            "chats.jsonl:1: conversation[0].tool_calls[0].function must be an object",
         ),
         ({"conversation": [{"role": "user", "content": "x"}]}, "no assistant"),
     ],

@@ -93,10 +93,13 @@ def test_a_state_saved_under_other_rows_or_order_is_refused(make_loader, saved, 
 def test_a_format_that_changes_no_row_restores(make_loader):
     """The byte layout already has BOS and EOS: add_bos and add_eos change none of its rows,
     so a state saved before the keys existed (the legacy format) restores under them."""
-    first = make_loader(chat_format=ChatFormat(add_bos=False, add_eos=False))
+    header_as_context = {"add_generation_prompt": True}
+    first = make_loader(chat_format=ChatFormat(add_bos=False, add_eos=False, **header_as_context))
     head = _read(first, 2)
-    again = make_loader(chat_format=ChatFormat(add_bos=True, add_eos=True))
-    rest = make_loader(chat_format=ChatFormat(add_bos=True), state=first.state_dict())
+    again = make_loader(chat_format=ChatFormat(add_bos=True, add_eos=True, **header_as_context))
+    rest = make_loader(
+        chat_format=ChatFormat(add_bos=True, **header_as_context), state=first.state_dict()
+    )
     assert head + _read(rest, 2) == _read(again, 4)
 
 

@@ -205,9 +205,9 @@ def test_the_progress_bar_covers_the_render(tmp_path, gemma_dir, monkeypatch):
             yield advance
         open_bars.pop()
 
-    def spy_reason(tokenizer, messages):
+    def spy_reason(tokenizer, messages, tools=None):
         renders.append(list(open_bars))
-        return real_reason(tokenizer, messages)
+        return real_reason(tokenizer, messages, tools)
 
     monkeypatch.setattr(prepare, "_progress", spy_progress)
     monkeypatch.setattr(prepare, "render_reason", spy_reason)

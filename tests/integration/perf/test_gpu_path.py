@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_bf16_step_on_cuda_from_a_prefetched_batch(perf_spec):
     policy = PolicyConfig(
+        dtensor_cfg={"enabled": False},
         model=ModelConfig(vocab_size=264, d_model=64, n_layers=2, n_heads=4, max_seq_len=96),
         train_global_batch_size=4,
         train_micro_batch_size=2,

@@ -153,7 +153,7 @@ TABLE: dict[str, tuple[str, Any, Get | None]] = {
     "policy.dtensor_cfg._v2": inert(),
     "policy.dtensor_cfg.enabled": honoured(False, lambda c: c.policy.dtensor_cfg.enabled),
     "policy.dtensor_cfg.env_vars": inert({"NCCL_DEBUG": "INFO"}),
-    "policy.dtensor_cfg.cpu_offload": inert(True),
+    "policy.dtensor_cfg.cpu_offload": honoured(True, lambda c: c.policy.dtensor_cfg.cpu_offload),
     "policy.dtensor_cfg.sequence_parallel": inert(True),
     "policy.dtensor_cfg.activation_checkpointing": honoured(
         True, lambda c: c.policy.dtensor_cfg.activation_checkpointing
@@ -172,9 +172,14 @@ TABLE: dict[str, tuple[str, Any, Get | None]] = {
     "policy.dtensor_cfg.lora_cfg.dropout_position": _lora("dropout_position", "pre"),
     "policy.dtensor_cfg.lora_cfg.lora_A_init": _lora("lora_A_init", "uniform"),
     "policy.dtensor_cfg.lora_cfg.use_triton": inert(),  # peft's kernels run either way
-    "policy.dynamic_batching.enabled": inert(True),
-    "policy.dynamic_batching.train_mb_tokens": inert(),
-    "policy.dynamic_batching.sequence_length_round": inert(),
+    # the replica splits each rank's rows by this budget (runtime/policy/dynamic_batches.py)
+    "policy.dynamic_batching.enabled": honoured(True, lambda c: c.policy.dynamic_batching.enabled),
+    "policy.dynamic_batching.train_mb_tokens": honoured(
+        4096, lambda c: c.policy.dynamic_batching.train_mb_tokens
+    ),
+    "policy.dynamic_batching.sequence_length_round": honoured(
+        32, lambda c: c.policy.dynamic_batching.sequence_length_round
+    ),
     "policy.sequence_packing.enabled": honoured(True, lambda c: c.policy.sequence_packing.enabled),
     # taken at NeMo RL's value only (see test_packing_takes_nemo_rls_token_budget_only)
     "policy.sequence_packing.train_mb_tokens": inert(),
@@ -341,3 +346,18 @@ def test_packing_takes_nemo_rls_token_budget_only():
         )
     problems = str(err.value).splitlines()[1:]
     assert len(problems) == 1 and "policy.sequence_packing.train_mb_tokens=4096" in problems[0]
+
+
+def test_dynamic_batching_takes_nemo_rls_default_budget():
+    """NeMo RL's file writes ``train_mb_tokens`` as the longest row x the micro-batch (its
+    interpolation), and null means the same; ``logprob_mb_tokens`` (not in its SFT file) is
+    accepted and changes nothing here (no logprob pass in SFT)."""
+    on = ("policy.dynamic_batching.enabled=true", "policy.train_micro_batch_size=2")
+    followed = _load(*on)
+    assert followed.policy.dynamic_batching.train_mb_tokens == 2048
+    null = _load(*on, "policy.dynamic_batching.train_mb_tokens=null")
+    assert null.policy.dynamic_batching.train_mb_tokens == 2048
+    accepted = _load(*on, "+policy.dynamic_batching.logprob_mb_tokens=512").policy
+    assert accepted.dynamic_batching.logprob_mb_tokens == 512
+    rest = {"dynamic_batching": {"logprob_mb_tokens"}}
+    assert accepted.model_dump(exclude=rest) == followed.policy.model_dump(exclude=rest)

@@ -85,6 +85,21 @@ def test_the_replicate_dimension_must_divide_the_data_parallel_size():
         )
 
 
+def test_cpu_offload_is_taken_with_fsdp_and_refused_without_naming_the_key():
+    """``policy.dtensor_cfg.cpu_offload`` offloads FSDP2's shards: a whole replica on every
+    worker (``enabled: false``) has none, so asking for it there is one line naming it."""
+    on = {"policy.dtensor_cfg.enabled": "true", "policy.dtensor_cfg.cpu_offload": "true"}
+    assert validate_config(_raw(**on)).policy.dtensor_cfg.cpu_offload
+    with pytest.raises(UserInputError) as err:
+        validate_config(_raw(**{**on, "policy.dtensor_cfg.enabled": "false"}))
+    named = [line for line in str(err.value).splitlines() if "cpu_offload" in line]
+    assert len(named) == 1
+    assert (
+        "policy.dtensor_cfg.cpu_offload is set but policy.dtensor_cfg.enabled is false: "
+        "set policy.dtensor_cfg.enabled=true or remove it"
+    ) in named[0]
+
+
 def test_packing_needs_a_length_divisible_by_the_pad_multiple():
     raw = _raw(
         **{

@@ -171,19 +171,20 @@ def test_retained_steps(steps, metrics, save_period, keep_top_k, ft_keep_latest_
     assert retained_steps(steps, metrics, save_period, keep_top_k, ft_keep_latest_k, higher) == kept
 
 
-def test_default_config_keeps_every_checkpoint():
+def test_default_config_keeps_nemo_rls_three():
+    """NeMo RL's ``keep_top_k: 3``: the three best by the metric (lower is better) and the
+    latest (a resume starts there), or with no metric the three latest; null keeps all."""
     ck = CheckpointingConfig()
-    assert ck.keep_top_k is None and ck.ft_keep_latest_k is None
-    steps = [3, 10, 13, 20, 27]
-    kept = retained_steps(
-        steps,
-        {s: float(s) for s in steps},
-        ck.save_period,
-        ck.keep_top_k,
-        ck.ft_keep_latest_k,
-        ck.higher_is_better,
-    )
-    assert kept == set(steps)
+    assert ck.keep_top_k == 3 and ck.ft_keep_latest_k is None and not ck.higher_is_better
+    steps = [10, 20, 30, 40, 50]
+    rules = (ck.save_period, ck.keep_top_k, ck.ft_keep_latest_k, ck.higher_is_better)
+    losses = {10: 0.5, 20: 0.2, 30: 0.4, 40: 0.3, 50: 0.6}
+    assert retained_steps(steps, losses, *rules) == {20, 30, 40, 50}
+    assert retained_steps(steps, {}, *rules) == {30, 40, 50}
+    everything = CheckpointingConfig(keep_top_k=None)
+    assert retained_steps(
+        steps, losses, everything.save_period, None, None, everything.higher_is_better
+    ) == set(steps)
 
 
 def _write(root: Path, step: int, info: dict | str) -> None:

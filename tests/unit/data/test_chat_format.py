@@ -131,13 +131,18 @@ def test_without_the_generation_prompt_the_header_is_trained_on(bare):
 def test_a_template_that_has_bos_and_eos_is_left_as_it_renders(tiny_llama):
     tok = HFChatTokenizer(str(tiny_llama))
     own = tok.hf_tokenizer.apply_chat_template(CHAT, tokenize=True)["input_ids"]
-    for fmt in (LEGACY_FORMAT, ChatFormat(add_bos=True, add_eos=True)):
+    for fmt in (LEGACY_FORMAT, ChatFormat(add_bos=True, add_eos=True, add_generation_prompt=True)):
         assert encode_conversation(tok, CHAT, max_length=LIMIT, chat_format=fmt)[0] == own
     # so a loader state saved before the keys existed still matches: no format in the print
-    assert row_format_fingerprint(tok, ChatFormat(add_bos=True, add_eos=True)) == {}
+    assert (
+        row_format_fingerprint(
+            tok, ChatFormat(add_bos=True, add_eos=True, add_generation_prompt=True)
+        )
+        == {}
+    )
     bare = HFChatTokenizer(str(tiny_llama), chat_template=BARE_TEMPLATE)
-    assert row_format_fingerprint(bare, ChatFormat(add_bos=True)) == {
-        "chat_format": {"add_bos": True, "add_eos": True, "add_generation_prompt": True}
+    assert row_format_fingerprint(bare, ChatFormat()) == {
+        "chat_format": {"add_bos": True, "add_eos": True, "add_generation_prompt": False}
     }
 
 

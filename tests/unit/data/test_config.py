@@ -24,7 +24,7 @@ SECTION = {
 def test_defaults_and_unknown_keys():
     data = DataConfig.model_validate(SECTION)
     assert data.backend == "energon" and data.train.split == "train"
-    assert data.num_workers == 0
+    assert data.num_workers == 1  # NeMo RL's
     with pytest.raises(ValidationError, match="shuffle_bufer_size"):
         DataConfig.model_validate({**SECTION, "energon": {"shuffle_bufer_size": 64}})
     # no epoch length: one pass over the train split, counted once the data is at hand

@@ -150,6 +150,7 @@ def test_a_bf16_stored_model_trains_in_the_configured_precision(tmp_path, precis
 
     build_model(tmp_path, family="qwen2", vocab_size=97, dtype=torch.bfloat16)
     policy = PolicyConfig(
+        dtensor_cfg={"enabled": False},
         model_name=str(tmp_path),
         train_global_batch_size=4,
         train_micro_batch_size=2,

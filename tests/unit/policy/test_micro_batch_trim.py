@@ -59,6 +59,8 @@ def test_trimmed_drops_only_columns_that_are_padding_in_every_row():
 
 def _policy(micro: int) -> PolicyConfig:
     return PolicyConfig(
+        precision="float32",
+        dtensor_cfg={"enabled": False},
         model=ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=64),
         train_global_batch_size=4,
         train_micro_batch_size=micro,

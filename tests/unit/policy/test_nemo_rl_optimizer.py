@@ -35,6 +35,8 @@ SCHEDULES = {
 
 def _policy(**policy) -> PolicyConfig:
     return PolicyConfig(
+        precision="float32",
+        dtensor_cfg={"enabled": False},
         model=ModelConfig(
             vocab_size=sources.VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=sources.SEQ_LEN
         ),

@@ -150,6 +150,7 @@ def test_replica_step_in_one_process(precision):
     from sft_runtime.runtime.policy.replica import Replica
 
     policy = PolicyConfig(
+        dtensor_cfg={"enabled": False},
         model=ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=SEQ_LEN),
         train_global_batch_size=4,
         train_micro_batch_size=2,
@@ -187,6 +188,8 @@ def test_tensor_and_float_metrics_give_the_same_step_as_floats():
     from sft_runtime.runtime.policy.replica import Replica
 
     policy = PolicyConfig(
+        precision="float32",
+        dtensor_cfg={"enabled": False},
         model=ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=SEQ_LEN),
         train_global_batch_size=6,
         train_micro_batch_size=2,
@@ -218,6 +221,8 @@ def test_abort_rewinds_the_rng_that_dropout_used():
     from sft_runtime.runtime.policy.replica import Replica
 
     policy = PolicyConfig(
+        precision="float32",
+        dtensor_cfg={"enabled": False},
         model=ModelConfig(
             vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=SEQ_LEN, dropout=0.2
         ),

@@ -34,6 +34,14 @@ def test_no_other_socket_can_take_the_port_once_it_is_chosen():
     assert err.value.errno == errno.EADDRINUSE
 
 
+def test_the_backend_adds_gloo_for_host_memory_beside_nccl_only_with_cpu_offload():
+    """Offloaded shards are reduced in host memory (the gradient norm, a gathered state),
+    which NCCL cannot do; a CPU worker's gloo already can."""
+    assert rendezvous.backend(False) == rendezvous.backend(False, cpu_offload=True) == "gloo"
+    assert rendezvous.backend(True) == "nccl"
+    assert rendezvous.backend(True, cpu_offload=True) == "cuda:nccl,cpu:gloo"
+
+
 def test_ranks_in_other_processes_meet_through_the_served_store(tmp_path):
     store = rendezvous.serve(timeout_s=60)
     mp.spawn(_rank, args=(store.port, str(tmp_path)), nprocs=WORLD, join=True)
