@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: venv test lint demo bench clean
+.PHONY: venv test lint typecheck demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,17 @@ venv: $(STAMP)
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(MAKE) --no-print-directory typecheck
+
+# basedpyright (its config in pyproject.toml) reads the package as installed: through links
+# named as the import names, since it cannot follow the editable install's import hook
+TYPECHECK := build/typecheck/sft_runtime
+
+typecheck: venv
+	mkdir -p $(TYPECHECK)
+	for p in runtime events states traces; do ln -sfn ../../../$$p $(TYPECHECK)/$$p; done
+	ln -sf ../../../sft_runtime/__init__.py ../../../sft_runtime/sft_v2.py $(TYPECHECK)/
+	$(BIN)/basedpyright
 
 test: lint
 	$(BIN)/python -m pytest -q --durations=20

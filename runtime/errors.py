@@ -81,6 +81,9 @@ class DiskFullError(RunFailure, OSError):
     itself, and its message is one line.
     """
 
+    errno: int  # OSError's may be None; this one is always the refused write's
+    strerror: str
+
     def __init__(self, code: int, what: str, resume_step: int | None = None) -> None:
         super().__init__(code, what, resume_step)
         self.errno, self.strerror = code, os.strerror(code)

@@ -6,28 +6,29 @@ the SDK when telemetry is on), `merge_trace_files` and the rest load on first us
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import Any
 
 from sft_runtime.traces.context import TRACER, TRACER_NAME, attached, inject_carrier, span_ids
 
-_LAZY = {
-    "Telemetry": "sft_runtime.traces.setup",
-    "setup_telemetry": "sft_runtime.traces.setup",
-    "active_telemetry": "sft_runtime.traces.setup",
-    "TelemetryConfig": "sft_runtime.traces.config",
-    "merge_trace_files": "sft_runtime.traces.merge",
-    "StepInstruments": "sft_runtime.traces.metrics",
-    "step_span": "sft_runtime.traces.spans",
-    "traced": "sft_runtime.traces.spans",
-    "record_error": "sft_runtime.traces.spans",
-}
+_SETUP = ("Telemetry", "setup_telemetry", "active_telemetry")
+_SPANS = ("step_span", "traced", "record_error")
+_LAZY = (*_SETUP, "TelemetryConfig", "merge_trace_files", "StepInstruments", *_SPANS)
 
 __all__ = ["TRACER", "TRACER_NAME", "attached", "inject_carrier", "span_ids", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    """A lazy name, from the module that defines it (imported here, on first use)."""
+    if name in _SETUP:
+        from sft_runtime.traces import setup as module
+    elif name == "TelemetryConfig":
+        from sft_runtime.traces import config as module
+    elif name == "merge_trace_files":
+        from sft_runtime.traces import merge as module
+    elif name == "StepInstruments":
+        from sft_runtime.traces import metrics as module
+    elif name in _SPANS:
+        from sft_runtime.traces import spans as module
+    else:
         raise AttributeError(f"module 'traces' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+    return getattr(module, name)

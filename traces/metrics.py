@@ -46,12 +46,17 @@ TOKENS_PER_SECOND_BUCKETS: tuple[float, ...] = tuple(
 
 
 class MetricDescriptor(Protocol):
-    """What `StepInstruments` needs of a teed metric (`runtime.sft_v2.TeedMetric` fits)."""
+    """What `StepInstruments` needs of a teed metric (`runtime.sft_v2.TeedMetric` fits),
+    read only (a frozen record fits)."""
 
-    key: str
-    instrument: str
-    unit: str
-    description: str
+    @property
+    def key(self) -> str: ...
+    @property
+    def instrument(self) -> str: ...
+    @property
+    def unit(self) -> str: ...
+    @property
+    def description(self) -> str: ...
 
 
 # Last-value instruments added here (not teed in the seed API): key, name, unit, description.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -127,7 +127,7 @@ class traced:  # noqa: N801 - used as a function: ``with traced(name, ...) as sp
         self._span, self._tokens = span, tokens
         return span
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         span = self._span
         try:
             if exc is not None and exc_type is not GeneratorExit:

@@ -46,7 +46,7 @@ def rng_file(rank: int) -> str:
     return f"rank_{rank}.pt"
 
 
-def atomic_write(path: str, write: Callable[[DirectFile], None], *, fsync: bool = True) -> None:
+def atomic_write(path: str, write: Callable[[DirectFile], object], *, fsync: bool = True) -> None:
     """Write via ``write(fh)`` to ``path.tmp`` (a `DirectFile`: past the page cache where
     the filesystem allows), fsync, rename over ``path``, fsync the dir (without ``fsync``:
     the caller makes the folder durable)."""

@@ -11,6 +11,7 @@ import ray
 
 from sft_runtime.runtime.controller.loop import SFTController
 
-SFTSingleControllerActor = ray.remote(
+# ray.remote's typed overloads leave out actor options (max_concurrency, ...) it accepts
+SFTSingleControllerActor = ray.remote(  # pyright: ignore[reportCallIssue]
     num_cpus=0, max_concurrency=2, max_restarts=0, enable_task_events=False
 )(SFTController)

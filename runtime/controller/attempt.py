@@ -127,8 +127,9 @@ def end_attempt(
     if model is not None and log is not None:
         if model.state in (ControllerState.setup, ControllerState.loading):
             quietly("close the machine", model.close)
-        elif model.state is ControllerState.saving:
-            quietly("close the machine", lambda: model.fail(error=error))
+        elif model.state is ControllerState.saving:  # only an error ends an attempt here
+            failed = error if error is not None else RuntimeError(f"ended while saving: {reason}")
+            quietly("close the machine", lambda: model.fail(error=failed))
         if model.state is ControllerState.closing:
             step = model.save_state.total_steps
             fault_point("closing:before_stop", step=step, attempt=attempt)

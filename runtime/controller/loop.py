@@ -14,9 +14,9 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from sft_runtime.events.log import next_attempt
+from sft_runtime.events.log import EventLog, next_attempt
 from sft_runtime.runtime.checkpoint.save import Checkpointer
 from sft_runtime.runtime.config import (
     MasterConfig,
@@ -91,7 +91,7 @@ class SFTController(SavePhase):
         self.args = actor_args
         self.group = actor_args.trainer
         self.plan = actor_args.placement_plan
-        self.run_dir = Path(master_config.logger.log_dir)
+        self.run_dir = Path(master_config.logger.log_dir or ".")  # as the driver reads it
         self.checkpointer = Checkpointer(
             master_config.checkpointing,
             self.group,
@@ -104,7 +104,7 @@ class SFTController(SavePhase):
         self.max_steps = _max_train_steps(master_config)
         self._stop = threading.Event()
         self.tally = RunTally()  # this attempt's committed steps
-        self.log = None
+        self.log: EventLog | None = None
         self.calls = StepCalls(self.group, actor_args.loss_fn)
         self._save_ahead: SaveAhead | None = None  # a periodic save sent with its step
         self.validator = Validator(master_config, self.group)
@@ -159,26 +159,26 @@ class SFTController(SavePhase):
             self._job = job
             with traced(SETUP_SPANS["open_log"]):
                 self._open()
-            start_step = self.model.save_state.total_steps
+            start_step = self._machine.save_state.total_steps
             reason, error = "completed", None
             try:
                 with traced(SETUP_SPANS["loaders"]):
                     self._setup_loaders()
                 self._validate_if_due()  # before the first step (sft.val_at_start)
-                while self.model.state is ControllerState.loading:
+                while self._machine.state is ControllerState.loading:
                     self._check_driver()
-                    self.model.stop_requested = self._stop.is_set()
-                    self.model.step_ahead = self.calls.has_ahead
+                    self._machine.stop_requested = self._stop.is_set()
+                    self._machine.step_ahead = self.calls.has_ahead
                     # a step sent ahead runs first (StepCalls); then saving, when unsaved
-                    if not self.calls.has_ahead and self.model.halt():
-                        if self._should_save(save_by_timeout=self.model.save_by_timeout()):
+                    if not self.calls.has_ahead and self._machine.halt():
+                        if self._should_save(save_by_timeout=self._machine.save_by_timeout()):
                             self._save_checkpoint()
                         break
                     self._run_one_step()
                     self._validate_if_due()
-                    if self._should_save(save_by_timeout=self.model.deadline_verdict()):
+                    if self._should_save(save_by_timeout=self._machine.deadline_verdict()):
                         self._save_checkpoint()
-                reason = end_reason(self.model, stopping=self._stop.is_set())
+                reason = end_reason(self._machine, stopping=self._stop.is_set())
             except BaseException as exc:
                 reason, error = _failure_reason(exc), exc
                 record_error(job, exc)
@@ -220,10 +220,10 @@ class SFTController(SavePhase):
             load_during_allreduce=cfg.data_plane.load_during_allreduce,
         )
         fault_point(
-            "setup:after_loaders", step=self.model.save_state.total_steps, attempt=self._attempt
+            "setup:after_loaders", step=self._machine.save_state.total_steps, attempt=self._attempt
         )
         self.group.prepare_for_training(carrier=inject_carrier())
-        self.model.loaders_ready(
+        self._machine.loaders_ready(
             event=fold.loaders_ready_event(
                 owners,
                 plan.logical_world_size,
@@ -233,7 +233,7 @@ class SFTController(SavePhase):
         )
 
     def _run_one_step(self) -> None:
-        step = self.model.save_state.total_steps + 1
+        step = self._machine.save_state.total_steps + 1
         # its start was sent with the last step, or it starts now
         trace = self.calls.ahead_trace(step)
         if trace is None:
@@ -280,18 +280,18 @@ class SFTController(SavePhase):
                 trace_id=trace_id,
                 span_id=span_id,
             )
-            self.model.step_ahead = self.calls.has_ahead  # it is recorded before a stop
+            self._machine.step_ahead = self.calls.has_ahead  # it is recorded before a stop
             with traced(EVENT_APPEND_SPAN, attributes={PHASE_ATTR: StepPhase.record.value}):
-                self.model.commit(event=payload)
+                self._machine.commit(event=payload)
             self._fault_after(StepPhase.record, step)
         except BaseException as exc:
             self._abort_step(exc, in_flight)
             raise
         self.tally.add(metrics)
-        self.metrics.log(step, metrics)
+        self._metrics_log.log(step, metrics)
         self.instruments.record(metrics, {"attempt": self._attempt})
         if trace.recording:
-            consumed = self.model.save_state.consumed_samples
+            consumed = self._machine.save_state.consumed_samples
             self._step_attributes = step_attributes(metrics, consumed)
 
     def _check_finite(self, step: int, metrics: dict[str, Any]) -> None:
@@ -310,10 +310,10 @@ class SFTController(SavePhase):
         """Send the step (unless sent ahead), and the next step when it is certain to follow
         (`StepCalls`); then wait: envelopes and finish metrics."""
         sent = self.calls.send(step, self._trace)
-        state = replace(self.model.save_state, total_steps=step)
+        state = replace(self._machine.save_state, total_steps=step)
         # the next step, sent now, ends about two mean steps from now: is the deadline closer?
-        soon = self.model.deadline_within(2)
-        rules, stopping = self.model.rules, self._stop.is_set()
+        soon = self._machine.deadline_within(2)
+        rules, stopping = self._machine.rules, self._stop.is_set()
         if not self.validator.due(step, final=rules.budget_reached(state)):
             if rules.continues_after(state, stopping=stopping, timed_out=soon):
                 self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
@@ -331,7 +331,7 @@ class SFTController(SavePhase):
         envelopes = [outs[rank].envelope for rank in self.group.owner_ranks]
         check_envelopes(envelopes, self.plan.logical_world_size)
         self._fault_after(StepPhase.loading, step)
-        self.model.batch_loaded()
+        self._machine.batch_loaded()
         return envelopes
 
     def _policy_metrics(self) -> dict[str, Any]:
@@ -346,12 +346,12 @@ class SFTController(SavePhase):
     def _validate_if_due(self) -> None:
         """A validation pass on the weights of the last committed step, when one is due
         there (``sft.val_period``, ``val_at_start``, ``val_at_end``) and the log holds none."""
-        state = self.model.save_state
+        state = self._machine.save_state
         step = state.total_steps
-        if not self.validator.due(step, final=self.model.rules.budget_reached(state)):
+        if not self.validator.due(step, final=self._machine.rules.budget_reached(state)):
             return
-        metrics = self.validator.run(step, self.model, self._attempt)
-        self.metrics.log(step, metrics, prefix="val")
+        metrics = self.validator.run(step, self._machine, self._attempt)
+        self._metrics_log.log(step, metrics, prefix="val")
 
     def _close_loaders(self) -> None:
         """The last step's batch committed (a step sent ahead given up), then the loaders closed."""
@@ -363,7 +363,7 @@ class SFTController(SavePhase):
 
     def _abort_step(self, exc: BaseException, in_flight: StepInFlight) -> None:
         self._discard_save_ahead()
-        undo_step(exc, in_flight, calls=self.calls, group=self.group, model=self.model)
+        undo_step(exc, in_flight, calls=self.calls, group=self.group, model=self._machine)
 
     def _close(self, reason: str, error: BaseException | None) -> None:
         self._discard_save_ahead()  # a step recorded, then the run failed before its save
@@ -382,9 +382,9 @@ class SFTController(SavePhase):
 
     def _summary(self, start_step: int, reason: str) -> dict[str, Any]:
         return run_summary(
-            self.model.save_state,
+            self._machine.save_state,
             reason=reason,
-            attempt=self.log.attempt,
+            attempt=_opened(self.log).attempt,
             start_step=start_step,
             max_steps=self.max_steps,
             losses=self.tally.losses,
@@ -403,6 +403,27 @@ class SFTController(SavePhase):
     @property
     def _attempt(self) -> int | None:
         return None if self.log is None else self.log.attempt
+
+    @property
+    def _machine(self) -> ControllerModel:
+        """`model`, the attempt's machine."""
+        return _opened(self.model)
+
+    @property
+    def _metrics_log(self) -> MetricsLogger:
+        """`metrics`, the attempt's metrics logger."""
+        return _opened(self.metrics)
+
+
+_Part = TypeVar("_Part")
+
+
+def _opened(part: _Part | None) -> _Part:
+    """One of the attempt's objects (the log, the machine, the metrics logger), which
+    `_open` makes first thing in `run`."""
+    if part is None:
+        raise RuntimeError("the controller's attempt is not open yet (run() opens it)")
+    return part
 
 
 def _failure_reason(exc: BaseException) -> str:

@@ -10,6 +10,8 @@ save begins.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -23,7 +25,8 @@ from sft_runtime.traces.spans import SAVE_SPAN, traced
 
 
 class SavePhase:
-    """The checkpoint half of `SFTController` (which sets every attribute read here)."""
+    """The checkpoint half of `SFTController` (which sets every attribute, and defines every
+    method, read here but not defined here)."""
 
     model: Any
     calls: Any
@@ -31,6 +34,11 @@ class SavePhase:
     checkpointer: Any
     validator: Any
     _save_ahead: SaveAhead | None
+    _stop: threading.Event  # set by `request_stop`
+    _job: Any  # the job span each step links to
+    _attempt: int | None  # the log's attempt number (a property of the controller)
+    _owner_call: Callable[[Any], Any]  # a loader-owner call of the group, traced
+    _policy_metrics: Callable[[], dict[str, Any]]  # the last committed step's metrics
 
     def _send_save_ahead(self, state: Any) -> None:
         """The checkpoint after ``state``'s step, sent behind the step's finish, and the next

@@ -34,9 +34,9 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from sft_runtime.runtime.data.config import ValidationDataConfig
+from sft_runtime.runtime.data.config import DataConfig, ValidationDataConfig
 from sft_runtime.runtime.data.integrity import split_samples
 from sft_runtime.runtime.data.record_shapes import RecordShape
 from sft_runtime.runtime.data.records import BadRecordError
@@ -44,13 +44,46 @@ from sft_runtime.runtime.data.tool_calls import BYTE_REFUSAL
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.process.user_cache import user_cache_dir
 
-if TYPE_CHECKING:
-    from sft_runtime.runtime.config import MasterConfig
+if TYPE_CHECKING:  # typing.Self from Python 3.11
+    from typing_extensions import Self
 
 PREPARE_FORMAT = 1  # a change to how a file is prepared makes new folders, never reuses old
 MARKER = "sft-runtime-prepared.json"
 _PARTIAL = ".partial-"
 _CHUNK = 1 << 20
+
+
+class _Seeded(Protocol):
+    @property
+    def seed(self) -> int: ...
+
+
+class _Byte(Protocol):
+    @property
+    def is_byte(self) -> bool: ...
+
+
+class _Tokenized(Protocol):
+    @property
+    def tokenizer(self) -> _Byte: ...
+    @property
+    def train_global_batch_size(self) -> int: ...
+
+
+class RunConfig(Protocol):
+    """What `bring_data` reads of the run config and gives back changed: `MasterConfig`,
+    assembled in runtime/config.py above this folder, is one."""
+
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def sft(self) -> _Seeded: ...
+    @property
+    def policy(self) -> _Tokenized: ...
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Self: ...
+
+
+_Config = TypeVar("_Config", bound=RunConfig)
 
 
 @dataclass(frozen=True)
@@ -139,7 +172,7 @@ def _read_marker(folder: Path, digest: str) -> Prepared | None:
     )
 
 
-def bring_data(config: MasterConfig, *, cache: Path | None = None) -> MasterConfig:
+def bring_data(config: _Config, *, cache: Path | None = None) -> _Config:
     """``config`` with every NeMo RL data file prepared and named by its energon folder,
     the held-out split as validation, and the epoch length resolved (see module doc)."""
     data = config.data
@@ -174,7 +207,7 @@ def bring_data(config: MasterConfig, *, cache: Path | None = None) -> MasterConf
     return config.model_copy(update={"data": data.model_copy(update=updates)})
 
 
-def _check_tools(config: MasterConfig, data_path: str, prepared: Prepared) -> None:
+def _check_tools(config: RunConfig, data_path: str, prepared: Prepared) -> None:
     """Refuse, naming the file and line, tool calling with the byte tokenizer (it has no
     layout for tools: tool_calls.py)."""
     if prepared.tool_line is not None and config.policy.tokenizer.is_byte:
@@ -188,7 +221,7 @@ def _named_by(prepared: Prepared) -> dict[str, Any]:
     return {"path": str(prepared.path), "dataset_name": None, "data_path": None}
 
 
-def _one_pass(config: MasterConfig, train: Any) -> int:
+def _one_pass(config: RunConfig, train: Any) -> int:
     """Steps in one pass over the train split: its conversations in whole global batches."""
     count = split_samples(Path(train.path), train.split)
     if count is None:

@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -34,8 +34,16 @@ from sft_runtime.runtime.data.record_shapes import RecordShape
 from sft_runtime.runtime.data.records import BadRecordError, Conversation, parse_line
 from sft_runtime.runtime.errors import UserInputError
 
-if TYPE_CHECKING:
-    from sft_runtime.runtime.data.tokenizer import ChatTokenizer
+
+class ChatRenderer(Protocol):
+    """What `render_reason` needs of a tokenizer: a conversation rendered into ids and which
+    of them are supervised. Every `tokenizer.ChatTokenizer` is one; that module loads the
+    chat template machinery, which preparing without a tokenizer never needs."""
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[list[int], list[bool]]: ...
+
 
 DATASET_YAML = """\
 sample_type:
@@ -172,7 +180,7 @@ def _one_line(exc: BaseException) -> str:
 
 def load_template_tokenizer(
     path: Path | str, chat_template: Path | str | None = None
-) -> ChatTokenizer:
+) -> ChatRenderer:
     """The Hugging Face tokenizer in folder `path` (usually the model's), rendering with the
     Jinja file `chat_template` when given, as ``policy.tokenizer.chat_template`` does in
     training. Whatever goes wrong while loading is one `UserInputError` line."""
@@ -204,7 +212,7 @@ def load_template_tokenizer(
 
 
 def render_reason(
-    tokenizer: ChatTokenizer,
+    tokenizer: ChatRenderer,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
 ) -> str | None:

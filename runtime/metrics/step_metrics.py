@@ -9,12 +9,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sft_runtime.runtime.data.batch import StepEnvelope
-
-if TYPE_CHECKING:  # the workers' records, read by attribute: no upward import at run time
-    from sft_runtime.runtime.policy.results import StepFinished
 
 LOADER_LATENCY_MAX_KEY = "loader_latency_max"
 POLICY_TIME_KEY = "policy_time"
@@ -43,6 +40,25 @@ STEP_METRIC_KEYS = (
 """Every key `step_metrics` may return: what ``checkpointing.metric_name`` can rank by."""
 
 
+class FinishedStep(Protocol):
+    """What `step_metrics` reads of a worker's finished step: the policy's
+    `results.StepFinished` is one (the workers sit above this folder, so it is named here by
+    what it offers, read only)."""
+
+    @property
+    def loss(self) -> float: ...
+    @property
+    def grad_norm(self) -> float: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def forward_backward_s(self) -> float: ...
+    @property
+    def allreduce_s(self) -> float: ...
+    @property
+    def optimizer_s(self) -> float: ...
+
+
 def sample_digest(source_ids: Sequence[str]) -> str:
     """A short digest of one logical rank's source ids, in order."""
     return hashlib.sha256("\n".join(source_ids).encode()).hexdigest()[:32]
@@ -59,7 +75,7 @@ def check_envelopes(envelopes: Sequence[StepEnvelope], logical_world_size: int) 
 
 def step_metrics(
     envelopes: Sequence[StepEnvelope],
-    results: Sequence[StepFinished],
+    results: Sequence[FinishedStep],
     *,
     trained_s: float,
     total_time: float,

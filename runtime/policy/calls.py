@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from sft_runtime.runtime.data.batch import BatchSource
 from sft_runtime.runtime.policy.results import (
@@ -25,6 +25,18 @@ from sft_runtime.runtime.policy.results import (
 )
 
 Ranks = Literal["all", "owners"] | Sequence[int]
+
+
+class _CheckpointWeights(TypedDict):
+    weights_path: str
+
+
+class CheckpointLoad(_CheckpointWeights, total=False):
+    """`WorkerCalls.load_checkpoint`'s keywords: the checkpoint a group starts from."""
+
+    optimizer_path: str | None
+    rng_path: str | None
+    allow_thread_change: bool
 
 
 @dataclass

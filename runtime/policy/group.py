@@ -20,11 +20,12 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sft_runtime.runtime.errors import PeerStepError, UserInputError
 from sft_runtime.runtime.policy.actor_exit import kill_and_wait
-from sft_runtime.runtime.policy.calls import Pending, Ranks, WorkerCalls
+from sft_runtime.runtime.policy.calls import CheckpointLoad, Pending, Ranks, WorkerCalls
 from sft_runtime.runtime.policy.cluster import (
     create_placement_group,
     remove_placement_group_quietly,
@@ -67,7 +68,7 @@ class PolicyWorkerGroup(WorkerCalls):
         *,
         seed: int = 0,
         name: str = "",
-        restore: dict[str, str | None] | None = None,
+        restore: CheckpointLoad | None = None,
     ) -> None:
         """Build everything or nothing: on any failure the half-built group is torn down.
 
@@ -82,8 +83,8 @@ class PolicyWorkerGroup(WorkerCalls):
         self.placement_group = None
         self._closed = False
         try:
-            self.placement_group = create_placement_group(self.cluster, name=name)
-            self._start_workers(seed)
+            self.placement_group = placement = create_placement_group(self.cluster, name=name)
+            self._start_workers(placement, seed)
             self.ping()
             addr, port = self._run("rendezvous_address", ranks=[0])[0]
             self._run("init_distributed", addr, port, timeout_s=self.cluster.dist_timeout_s + 30.0)
@@ -93,10 +94,10 @@ class PolicyWorkerGroup(WorkerCalls):
             self.shutdown()
             raise
 
-    def _start_workers(self, seed: int) -> None:
+    def _start_workers(self, placement: PlacementGroup, seed: int) -> None:
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group,
+                placement_group=placement,
                 placement_group_bundle_index=rank,
                 placement_group_capture_child_tasks=False,
             )
@@ -165,30 +166,30 @@ class PolicyWorkerGroup(WorkerCalls):
         deadline = time.monotonic() + timeout
         rank_of = {ref: rank for rank, ref in refs}
         results: dict[Any, Any] = {}
-        pending = [ref for _, ref in refs]
-        while pending:
+        waiting = [ref for _, ref in refs]
+        while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                stuck = sorted(rank_of[r] for r in pending)
+                stuck = sorted(rank_of[r] for r in waiting)
                 raise PolicyWorkerError(
                     f"{method} did not finish within {timeout:g}s on rank(s) {stuck} "
                     f"(cluster.call_timeout_s)",
                     stuck,
                 )
-            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            done, waiting = ray.wait(waiting, num_returns=1, timeout=left)
             if not done:
                 continue
-            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            more, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=0)
             failures = []
             for ref in done + more:
                 try:
                     results[ref] = ray.get(ref, timeout=0)
                 except GetTimeoutError:  # pragma: no cover - ready refs do not time out
-                    pending.append(ref)
+                    waiting.append(ref)
                 except Exception as exc:  # noqa: BLE001 - collected and re-raised below
                     failures.append((rank_of[ref], exc))
             if failures:
-                failures += _settle(pending, rank_of, BLAME_GRACE_S)
+                failures += _settle(waiting, rank_of, BLAME_GRACE_S)
                 raise _failure(method, failures)
         return [results[ref] for _, ref in refs]
 

@@ -10,17 +10,13 @@ the mask, so no NaNs) and its outputs are never used by the loss.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from sft_runtime.runtime.data.batch import SFTBatch
 from sft_runtime.runtime.policy.config import ModelConfig
-
-if TYPE_CHECKING:
-    from sft_runtime.runtime.data.batch import SFTBatch
 
 
 def attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from sft_runtime.runtime.data.batch import BatchSource
+from sft_runtime.runtime.data.prefetch import PrefetchingLoader
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy import rendezvous
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
@@ -99,7 +100,8 @@ class PolicyWorkerBase(LoaderOwner):
         torch.manual_seed(seed + rank)
         self.has_gpu = bool(cluster.gpus_per_worker)
         self.device = torch.device("cuda", 0) if self.has_gpu else torch.device("cpu")
-        self._store: dist.TCPStore | None = None  # the rendezvous rank 0 serves until it joins
+        # the rendezvous rank 0 serves until it joins (torch exports TCPStore without saying so)
+        self._store: dist.TCPStore | None = None  # pyright: ignore[reportPrivateImportUsage]
         if self.has_gpu:
             torch.cuda.set_device(self.device)
         self.replica = Replica(policy, seed=seed, device=self.device)
@@ -192,6 +194,7 @@ class PolicyWorkerBase(LoaderOwner):
                 except Exception as exc:  # noqa: BLE001 - raised once the ranks agreed
                     error, batches = exc, []
                 nll, tokens = evaluate(self.replica, batches, error)
+        assert share is not None  # else `evaluate` raised the error that left it unset
         return ValidationResult(
             nll_sum=nll,
             tokens=tokens,
@@ -236,8 +239,11 @@ class PolicyWorkerBase(LoaderOwner):
     def _read_ahead(self) -> None:
         """The next step's batch, read while this step's gradients are all-reduced: the
         one stretch of the step in which this thread only waits for its peers."""
+        loader = self._require_loader()
+        if not isinstance(loader, PrefetchingLoader):  # `_reads_ahead_in_finish` made it one
+            raise RuntimeError(f"rank {self.rank}: the loader does not read ahead")
         with traced(READ_AHEAD_SPAN, attributes={"rank": self.rank}):
-            self._loader.fetch_now()
+            loader.fetch_now()
 
     def start_sft_step(
         self,
@@ -357,10 +363,11 @@ def _no_cuda_message(gpus_per_node: int) -> str:
 
 def _in_phase(exc: Exception, phase: StepPhase) -> Exception:
     """Tag an error with the step phase it happened in (pickled with it across Ray)."""
-    exc.sft_phase = phase.value
+    setattr(exc, "sft_phase", phase.value)  # noqa: B010 - an attribute Exception does not declare
     return exc
 
 
-PolicyWorker = ray.remote(concurrency_groups={WRITES_GROUP: 1}, enable_task_events=False)(
-    PolicyWorkerBase
-)
+# ray.remote's typed overloads leave out actor options (concurrency_groups, ...) it accepts
+PolicyWorker = ray.remote(  # pyright: ignore[reportCallIssue]
+    concurrency_groups={WRITES_GROUP: 1}, enable_task_events=False
+)(PolicyWorkerBase)

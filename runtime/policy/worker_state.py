@@ -162,8 +162,12 @@ class WorkerState:
             if self.replica.lora_targets is not None:  # adapters: name the base they need
                 record = self._lora_record()
                 base_file = os.path.join(weights_path, BASE_FILE)
-                write = lambda fh: fh.write(record)  # noqa: E731
-                writes.append(lambda: [ckpt.atomic_write(base_file, write, fsync=fsync)])
+
+                def write_base() -> list[str]:
+                    ckpt.atomic_write(base_file, lambda fh: fh.write(record), fsync=fsync)
+                    return [base_file]
+
+                writes.append(write_base)
             elif self.replica.is_hf:
                 model = self.replica.model  # only its config is read
                 writes.append(lambda: write_hf_config(model, weights_path, dtype=torch.float32))
@@ -178,11 +182,13 @@ class WorkerState:
 
     def _lora_record(self) -> bytes:
         """``lora.json`` of this run: the base's digest is taken once, when first saved."""
+        base = self.policy.model_name
+        assert base is not None  # adapters train a Hugging Face model, which it names
         if self._base_digest is None:
-            self._base_digest = weights_digest(self.policy.model_name)
+            self._base_digest = weights_digest(base)
         lora = self.policy.dtensor_cfg.lora_cfg
         return base_record(
-            self.policy.model_name,
+            base,
             self._base_digest,
             self.replica.lora_targets,
             lora.model_dump(),

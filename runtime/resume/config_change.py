@@ -20,11 +20,12 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from sft_runtime.runtime.checkpoint.save import IDENTITIES_INFO_KEY
+from sft_runtime.runtime.config import MasterConfig, _model_of
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.resume.config_keys import (
     BEFORE_THE_KEY,
@@ -39,9 +40,6 @@ from sft_runtime.runtime.resume.config_keys import (
     flatten,
 )
 from sft_runtime.runtime.resume.input_identity import input_identities
-
-if TYPE_CHECKING:
-    from sft_runtime.runtime.config import MasterConfig
 
 ALLOW_FLAG = "--allow-config-change"
 ALLOW_KEY = "checkpointing.allow_config_change"
@@ -221,8 +219,6 @@ def _default(key: str) -> Any:
     """What a key an older config lacks meant: the value runs had before the key existed
     where today's default differs (`BEFORE_THE_KEY`), else the default (`MISSING` for a
     required one)."""
-    from sft_runtime.runtime.config import MasterConfig, _model_of
-
     if key in BEFORE_THE_KEY:
         return BEFORE_THE_KEY[key]
 

