@@ -14,6 +14,15 @@ from sft_runtime.runtime.config import MasterConfig, validate_config
 DEMO_PROMPTS = ("What is 12 + 30?", "Echo: alpha beta gamma", "Multiply 7 by 6.")
 
 
+# both demos: two CPU workers of one core each (NeMo RL's gpus_per_node would ask for GPUs)
+DEMO_CLUSTER = {
+    "gpus_per_node": 0,
+    "workers_per_node": 2,
+    "cpus_per_worker": 1.0,
+    "num_threads_per_worker": 1,
+}
+
+
 def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 150) -> MasterConfig:
     raw: dict[str, Any] = {
         "policy": {
@@ -52,12 +61,7 @@ def demo_config(run_dir: Path | str, data_dir: Path | str, steps: int = 150) -> 
         },
         "sft": {"max_num_steps": steps, "max_num_epochs": 10, "seed": 42},
         "logger": {"log_dir": str(run_dir), "monitor_gpus": False},
-        "cluster": {
-            "gpus_per_node": 0,
-            "workers_per_node": 2,
-            "cpus_per_worker": 1.0,
-            "num_threads_per_worker": 1,
-        },
+        "cluster": dict(DEMO_CLUSTER),
         "checkpointing": {"enabled": True, "save_period": 25, "metric_name": "train:loss"},
         "telemetry": {"enabled": True, "exporters": ["jaeger_file"]},
     }

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sft_runtime.runtime.cli.demo import DEMO_CLUSTER
 from sft_runtime.runtime.config import MasterConfig, validate_config
 
 DEFAULT_STEPS = 12
@@ -70,12 +71,7 @@ def pretrained_demo_config(
             "val_micro_batch_size": 8,
         },
         "logger": {"log_dir": str(run_dir), "monitor_gpus": False},
-        "cluster": {
-            "gpus_per_node": 0,
-            "workers_per_node": 2,
-            "cpus_per_worker": 1.0,
-            "num_threads_per_worker": 1,
-        },
+        "cluster": dict(DEMO_CLUSTER),
         "checkpointing": {"enabled": True, "save_period": 6, "metric_name": "val:val_loss"},
         "telemetry": {"enabled": True, "exporters": ["jaeger_file"]},
     }

@@ -17,7 +17,7 @@ import torch
 
 from sft_runtime.runtime.config import MasterConfig, validate_config
 from sft_runtime.runtime.config_files.overrides import apply_override
-from sft_runtime.runtime.data.task_encoder import EncodedChat, collate_rows
+from sft_runtime.runtime.data.task_encoder import collate_rows
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy import replica as replica_module
 from sft_runtime.runtime.policy.config import (
@@ -31,6 +31,7 @@ from sft_runtime.runtime.policy.dynamic_batches import (
 )
 from sft_runtime.runtime.policy.model import forward_logits
 from sft_runtime.runtime.policy.replica import Replica
+from tests.support.encoded_rows import random_rows
 from tests.support.small_run import small_raw
 
 # ----------------------------------------------------------------------------- the plan
@@ -157,23 +158,7 @@ VOCAB = 64
 
 
 def _batch(lengths: list[int], seed: int = 0):
-    rng = random.Random(seed)
-    rows = []
-    for index, length in enumerate(lengths):
-        ids = [rng.randrange(1, VOCAB) for _ in range(length)]
-        mask = [0.0] * (length // 3) + [1.0] * (length - length // 3)
-        rows.append(
-            EncodedChat(
-                __key__=f"s{index}",
-                __restore_key__=(),
-                __subflavors__=None,
-                __sources__=(),
-                source_ids=[f"s{index}"],
-                token_ids=[ids],
-                loss_masks=[mask],
-            )
-        )
-    return collate_rows(rows, pad_id=0, pad_multiple=8)
+    return collate_rows(random_rows(lengths, VOCAB, seed), pad_id=0, pad_multiple=8)
 
 
 def test_take_picks_rows_in_order_and_keeps_the_bookkeeping_whole():

@@ -8,8 +8,6 @@ and the same batch gives the same step every time (exact resume needs nothing mo
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -19,28 +17,13 @@ from sft_runtime.runtime.policy.config import ModelConfig, PolicyConfig
 from sft_runtime.runtime.policy.loss import NLLLossFn
 from sft_runtime.runtime.policy.model import forward_logits
 from sft_runtime.runtime.policy.replica import Replica
+from tests.support.encoded_rows import random_rows
 
 VOCAB, LONGEST = 64, 48
 
 
 def _rows(lengths: list[int], seed: int = 0) -> list[EncodedChat]:
-    rng = random.Random(seed)
-    rows = []
-    for index, length in enumerate(lengths):
-        ids = [rng.randrange(1, VOCAB) for _ in range(length)]
-        mask = [0.0] * (length // 2) + [1.0] * (length - length // 2)
-        rows.append(
-            EncodedChat(
-                __key__=f"s{index}",
-                __restore_key__=(),
-                __subflavors__=None,
-                __sources__=(),
-                source_ids=[f"s{index}"],
-                token_ids=[ids],
-                loss_masks=[mask],
-            )
-        )
-    return rows
+    return random_rows(lengths, VOCAB, seed)
 
 
 def test_trimmed_drops_only_columns_that_are_padding_in_every_row():
