@@ -23,7 +23,10 @@ def test_training_moves_the_adapters_and_leaves_the_base_bitwise_as_stored(preci
         {
             "model_name": str(tiny_llama),
             "precision": precision,
-            "dtensor_cfg": {"lora_cfg": {"enabled": True, "dim": 4, "lora_A_init": "uniform"}},
+            "dtensor_cfg": {
+                "enabled": False,
+                "lora_cfg": {"enabled": True, "dim": 4, "lora_A_init": "uniform"},
+            },
             "train_global_batch_size": 4,
             "train_micro_batch_size": 2,
         }
