@@ -87,6 +87,15 @@ LOADING = {
 
 
 # ------------------------------------------------------------------ configs
+# The values these benchmarks were measured with where a key left out now reads as NeMo
+# RL's default (bfloat16, FSDP2, BOS added, TensorBoard and GPU monitoring on, 3 checkpoints
+# kept, a GPU where one is seen): stated, so that runs stay comparable with bench/RESULTS.md
+# and the plain loop (float32, a whole replica per rank) trains the same model.
+POLICY_AS_MEASURED = {"precision": "float32", "dtensor_cfg": {"enabled": False}}
+DATA_AS_MEASURED = {"add_bos": False, "add_generation_prompt": True}
+LOGGER_AS_MEASURED = {"tensorboard_enabled": False, "monitor_gpus": False}
+
+
 def raw_config(
     shape: dict,
     data: Path,
@@ -102,22 +111,25 @@ def raw_config(
             "train_micro_batch_size": shape["micro"],
             "optimizer": {"kwargs": {"lr": 1e-3}},
             "make_sequence_length_divisible_by": 8,
+            **POLICY_AS_MEASURED,
         },
         "data": {
             "max_input_seq_length": shape["seq"],
             "train": {"path": str(data), "virtual_epoch_length": 1000},
             "num_workers": 0,
             "energon": {"shuffle_buffer_size": 64},
+            **DATA_AS_MEASURED,
         },
         "sft": {"max_num_steps": steps, "max_num_epochs": 1, "seed": SEED},
-        "logger": {"log_dir": str(run_dir)},
+        "logger": {"log_dir": str(run_dir), **LOGGER_AS_MEASURED},
         "cluster": {
+            "gpus_per_node": 0,
             "workers_per_node": world,
             "cpus_per_worker": 0.5,
             "num_threads_per_worker": 1,
             "call_timeout_s": 300,
         },
-        "checkpointing": {"enabled": True, "save_period": SAVE_PERIOD},
+        "checkpointing": {"enabled": True, "save_period": SAVE_PERIOD, "keep_top_k": None},
         "data_plane": {"max_partitions": prefetch},
         "telemetry": {"enabled": True, "exporters": ["jaeger_file"]},
     }

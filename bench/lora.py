@@ -86,7 +86,9 @@ def train_child(folder: str, mode: str, out: str) -> dict[str, Any]:
             "train_global_batch_size": ROWS,
             "train_micro_batch_size": ROWS,
             "optimizer": {"kwargs": {"lr": LR}},
-            "dtensor_cfg": {"lora_cfg": LORA if mode == "lora" else {}},
+            # a whole replica in float32, as measured (NeMo RL's defaults: FSDP2, bfloat16)
+            "precision": "float32",
+            "dtensor_cfg": {"enabled": False, "lora_cfg": LORA if mode == "lora" else {}},
         }
     )
     replica = Replica(policy, seed=h.SEED, device=torch.device("cpu"))

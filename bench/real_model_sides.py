@@ -99,9 +99,12 @@ def runtime_config(setup: Setup, run_dir: Path) -> dict[str, Any]:
             "kwargs": {"lr": setup.lr, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
         },
     }
+    # a whole replica in float32 like the other sides (NeMo RL's defaults: FSDP2, bfloat16)
+    policy["precision"] = "float32"
+    policy["dtensor_cfg"] = {"enabled": False}
     energon: dict[str, Any] = {"shuffle_buffer_size": None}
     if setup.lora:
-        policy["dtensor_cfg"] = {"lora_cfg": {"enabled": True, **setup.lora}}
+        policy["dtensor_cfg"]["lora_cfg"] = {"enabled": True, **setup.lora}
     if setup.packed:
         policy["sequence_packing"] = {"enabled": True, "algorithm": "first_fit_decreasing"}
     return {
@@ -111,10 +114,16 @@ def runtime_config(setup: Setup, run_dir: Path) -> dict[str, Any]:
             "num_workers": 0,
             "train": {"path": setup.data_dir, "virtual_epoch_length": 10_000},
             "energon": energon,
+            "add_bos": False,
+            "add_generation_prompt": True,
         },
         "sft": {"max_num_steps": setup.steps, "max_num_epochs": 100, "seed": setup.seed},
-        "logger": {"log_dir": str(run_dir)},
-        "cluster": {"workers_per_node": 1, "num_threads_per_worker": setup.threads},
+        "logger": {"log_dir": str(run_dir), "tensorboard_enabled": False, "monitor_gpus": False},
+        "cluster": {
+            "gpus_per_node": 0,
+            "workers_per_node": 1,
+            "num_threads_per_worker": setup.threads,
+        },
         "checkpointing": {"enabled": False},
     }
 
