@@ -36,6 +36,7 @@ from sft_runtime.runtime.validation.config import (
     check_validation,
     has_validation_data,
     validation_enabled,
+    validation_schedule,
 )
 from sft_runtime.states import StepRules
 from sft_runtime.traces.config import TelemetryConfig
@@ -301,6 +302,7 @@ def step_rules(config: MasterConfig, *, now: float) -> StepRules:
         ft_save_period=ck.ft_save_period,
         checkpointing=ck.enabled,
         deadline=math.inf if deadline is None else now + deadline,
+        validation=validation_schedule(config),
     )
 
 

@@ -29,7 +29,7 @@ from sft_runtime.states.fold import (
     step_aborted_event,
 )
 from sft_runtime.states.pace import StepPace
-from sft_runtime.states.rules import StepRules
+from sft_runtime.states.rules import After, StepRules
 from sft_runtime.states.save_state import SFTV2SaveState, initial_save_state
 
 
@@ -103,8 +103,9 @@ TRANSITIONS: list[dict[str, Any]] = [
 class ControllerModel:
     """The model the machine drives: save state, rules, the log, and the recording callbacks.
 
-    ``log`` may be None (nothing recorded, e.g. a dry run); ``clock`` is injectable so guards
-    stay pure in tests.
+    ``log`` may be None (nothing recorded, e.g. a dry run); ``clock`` and ``step_ahead``
+    (whether the workers were sent the next step already) are injected, so guards stay pure
+    in tests.
     """
 
     if TYPE_CHECKING:  # trigger methods that `Machine` binds at runtime
@@ -129,20 +130,26 @@ class ControllerModel:
         log: EventLog | None = None,
         save_state: SFTV2SaveState | None = None,
         clock: Callable[[], float] = time.time,
+        step_ahead: Callable[[], bool] = lambda: False,
     ) -> None:
         self.rules = rules
         self.log = log
         self.save_state = save_state or initial_save_state()
         self.clock = clock
         self.stop_requested = False
-        # the workers already run the next step (sent whole, it cannot be taken back): a
-        # stop request or the deadline takes effect after it, never before
-        self.step_ahead = False
+        self._step_ahead = step_ahead
         self.last_saved_step = self.save_state.total_steps  # a resume starts from a checkpoint
         self.next_state = self.save_state  # what the trigger being fired would make of it
         self.pace = StepPace()
         self._timed_out = False
         self.machine = build_machine(self)
+
+    @property
+    def step_ahead(self) -> bool:
+        """The workers already run the next step (sent whole, it cannot be taken back): a stop
+        request or the deadline takes effect after it, never before. Asked of the pipeline
+        that sends steps (the ``step_ahead`` it was given), so it is never out of date."""
+        return self._step_ahead()
 
     # -- the deadline -----------------------------------------------------------------------
     def save_by_timeout(self) -> bool:
@@ -189,12 +196,16 @@ class ControllerModel:
         return self.rules.checkpointing and self.save_state.total_steps > self.last_saved_step
 
     def save_due(self, event: EventData) -> bool:
-        stopping, timed_out = self.stop_verdicts()
-        return self.rules.save_due(self.next_state, stopping=stopping, timed_out=timed_out)
+        return self._after().saves
 
     def should_stop(self, event: EventData) -> bool:
+        return self._after().stop
+
+    def _after(self) -> After:
+        """`StepRules.after` for the state the trigger would make, with the stop verdicts in
+        force now (a validation it may schedule is the loop's to run)."""
         stopping, timed_out = self.stop_verdicts()
-        return self.rules.should_stop(self.next_state, stopping=stopping, timed_out=timed_out)
+        return self.rules.after(self.next_state, stopping=stopping, timed_out=timed_out)
 
     # -- callbacks: the only places events are appended -----------------------------------
     def _append(self, payload: EventPayload) -> None:

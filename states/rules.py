@@ -1,22 +1,41 @@
-"""The guards of the machine as pure functions of the save state, the config and the deadline.
+"""What comes after a step, as one pure function of the save state, the config and the deadline.
 
-One place decides when to save and when to stop, so the loop, the tests and a reader of
-the log all agree on it. Whether the deadline has come is the one input that needs a clock:
-`StepRules.timed_out` judges it from ``now`` and the mean step time (see `states.pace`), and
-the machine hands its latched verdict to the other rules as ``timed_out``.
+`StepRules.after` is the one place that decides whether a validation pass, a checkpoint or the
+end of the run follows a step. The machine's guards read it for the state a trigger would
+make; the loop reads it for the step just sent, to know whether the next step (or that step's
+checkpoint) can be sent along; a test or a reader of the log can ask it of any state. Whether
+the deadline has come is the one input that needs a clock: `StepRules.timed_out` judges it
+from ``now`` and the mean step time (see `states.pace`), and the caller passes its verdict.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sft_runtime.states.save_state import SFTV2SaveState
 
 
 @dataclass(frozen=True)
+class ValidationSchedule:
+    """When a validation pass follows a step (``sft.val_period``, ``val_at_start``: step 0,
+    ``val_at_end``: the last step of the budget); the default never validates, as a run
+    without validation data does."""
+
+    period: int = 0
+    at_start: bool = False
+    at_end: bool = False
+
+    def due(self, step: int, *, final: bool) -> bool:
+        if step == 0:
+            return self.at_start
+        return bool(self.period and step % self.period == 0) or (final and self.at_end)
+
+
+@dataclass(frozen=True)
 class StepRules:
-    """Budget, save periods and deadline of a run (deadline in unix seconds, inf = none).
+    """Budget, save periods, validation schedule and deadline of a run (deadline in unix
+    seconds, inf = none).
 
     ``save_period`` and ``ft_save_period`` say when to save (what is kept afterwards is
     `runtime.checkpoint.store.retained_steps`). A run that ends for any reason (budget,
@@ -28,6 +47,7 @@ class StepRules:
     ft_save_period: int = 0
     checkpointing: bool = True
     deadline: float = math.inf
+    validation: ValidationSchedule = field(default_factory=ValidationSchedule)
 
     def budget_reached(self, state: SFTV2SaveState) -> bool:
         return state.total_steps >= self.max_steps
@@ -39,37 +59,53 @@ class StepRules:
         """
         return now + mean_step_s >= self.deadline
 
-    def save_kinds(
-        self, state: SFTV2SaveState, *, stopping: bool = False, timed_out: bool = False
-    ) -> tuple[str, ...]:
-        """Why a checkpoint is due after this state ("periodic", "ft", "final"); () if not."""
+    def after(
+        self,
+        state: SFTV2SaveState,
+        *,
+        stopping: bool = False,
+        timed_out: bool = False,
+        validated: bool = False,
+    ) -> After:
+        """What follows ``state``'s step: a validation pass (unless ``validated``: the log
+        holds one for that step), a checkpoint and of which kinds, and whether the run stops.
+        ``stopping``: a stop was requested; ``timed_out``: the deadline's verdict."""
         step = state.total_steps
-        if not self.checkpointing or step == 0:
-            return ()
-        kinds = []
-        if self.save_period > 0 and step % self.save_period == 0:
-            kinds.append("periodic")
-        if self.ft_save_period > 0 and step % self.ft_save_period == 0:
-            kinds.append("ft")
-        if self.should_stop(state, stopping=stopping, timed_out=timed_out):
-            kinds.append("final")
-        return tuple(kinds)
+        final = self.budget_reached(state)
+        stop = stopping or timed_out or final
+        kinds: list[str] = []
+        if self.checkpointing and step > 0:
+            if self.save_period > 0 and step % self.save_period == 0:
+                kinds.append("periodic")
+            if self.ft_save_period > 0 and step % self.ft_save_period == 0:
+                kinds.append("ft")
+            if stop:
+                kinds.append("final")
+        validate = not validated and self.validation.due(step, final=final)
+        return After(validate=validate, save_kinds=tuple(kinds), stop=stop)
 
-    def save_due(
-        self, state: SFTV2SaveState, *, stopping: bool = False, timed_out: bool = False
-    ) -> bool:
-        return bool(self.save_kinds(state, stopping=stopping, timed_out=timed_out))
 
-    def should_stop(
-        self, state: SFTV2SaveState, *, stopping: bool = False, timed_out: bool = False
-    ) -> bool:
-        return stopping or timed_out or self.budget_reached(state)
+@dataclass(frozen=True)
+class After:
+    """What comes after a step, in the order it happens: validate, save, then stop or go on."""
 
-    def continues_after(
-        self, state: SFTV2SaveState, *, stopping: bool = False, timed_out: bool = False
-    ) -> bool:
-        """Another step follows ``state`` directly: no checkpoint due, no reason to stop (as
-        far as known now; a deadline or stop request may still come before that step)."""
-        if self.should_stop(state, stopping=stopping, timed_out=timed_out):
-            return False
-        return not self.save_due(state, stopping=stopping, timed_out=timed_out)
+    validate: bool
+    save_kinds: tuple[str, ...]  # ("periodic", "ft", "final"): why a checkpoint is due
+    stop: bool
+
+    @property
+    def saves(self) -> bool:
+        return bool(self.save_kinds)
+
+    @property
+    def straight_on(self) -> bool:
+        """The next step follows directly: nothing between the two, and no stop (as far as
+        known now; a deadline or stop request may still come before that step)."""
+        return not (self.validate or self.saves or self.stop)
+
+    @property
+    def name(self) -> str:
+        """``continue``, ``save and continue``, ``save and stop`` or ``stop``, after
+        ``validate, then`` when a pass comes first."""
+        rest = ("save and " if self.saves else "") + ("stop" if self.stop else "continue")
+        return f"validate, then {rest}" if self.validate else rest

@@ -36,16 +36,23 @@ from sft_runtime.traces.context import inject_carrier, span_ids
 
 
 def open_attempt(
-    config: MasterConfig, args: Any, run_dir: Path, *, max_steps: int
+    config: MasterConfig,
+    args: Any,
+    run_dir: Path,
+    *,
+    max_steps: int,
+    step_ahead: Callable[[], bool],
 ) -> tuple[Any, ControllerModel, MetricsLogger]:
     """(the log, the machine in ``setup`` after ``run_started``, the metrics logger) of a new
-    attempt; ``args`` are the actor's (`SFTV2ActorArgs`: the driver, save state, plan)."""
+    attempt; ``args`` are the actor's (`SFTV2ActorArgs`: the driver, save state, plan);
+    ``step_ahead`` tells the machine whether the workers were sent the next step already."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = args.train_cluster
     owner = {k: cluster[k] for k in ("driver_pid", "driver_host") if k in cluster}
     log = open_log(run_dir, owner=owner)
     state = args.save_state
-    model = ControllerModel(step_rules(config, now=time.time()), log=log, save_state=state)
+    rules = step_rules(config, now=time.time())
+    model = ControllerModel(rules, log=log, save_state=state, step_ahead=step_ahead)
     try:
         metrics = MetricsLogger.for_run(
             config.logger,

@@ -168,7 +168,6 @@ class SFTController(SavePhase):
                 while self._machine.state is ControllerState.loading:
                     self._check_driver()
                     self._machine.stop_requested = self._stop.is_set()
-                    self._machine.step_ahead = self.calls.has_ahead
                     # a step sent ahead runs first (StepCalls); then saving, when unsaved
                     if not self.calls.has_ahead and self._machine.halt():
                         if self._should_save(save_by_timeout=self._machine.save_by_timeout()):
@@ -190,7 +189,11 @@ class SFTController(SavePhase):
     # -- phases --------------------------------------------------------------------------
     def _open(self) -> None:
         self.log, self.model, self.metrics = open_attempt(
-            self.config, self.args, self.run_dir, max_steps=self.max_steps
+            self.config,
+            self.args,
+            self.run_dir,
+            max_steps=self.max_steps,
+            step_ahead=lambda: self.calls.has_ahead,
         )
         self.validator.read_log(self.log)  # after run_started: what this resume rolled back
 
@@ -280,7 +283,6 @@ class SFTController(SavePhase):
                 trace_id=trace_id,
                 span_id=span_id,
             )
-            self._machine.step_ahead = self.calls.has_ahead  # it is recorded before a stop
             with traced(EVENT_APPEND_SPAN, attributes={PHASE_ATTR: StepPhase.record.value}):
                 self._machine.commit(event=payload)
             self._fault_after(StepPhase.record, step)
@@ -313,12 +315,13 @@ class SFTController(SavePhase):
         state = replace(self._machine.save_state, total_steps=step)
         # the next step, sent now, ends about two mean steps from now: is the deadline closer?
         soon = self._machine.deadline_within(2)
-        rules, stopping = self._machine.rules, self._stop.is_set()
-        if not self.validator.due(step, final=rules.budget_reached(state)):
-            if rules.continues_after(state, stopping=stopping, timed_out=soon):
-                self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
-            elif not rules.should_stop(state, stopping=stopping, timed_out=soon):
-                self._send_save_ahead(state)  # a save is due, and the run goes on after it
+        after = self._machine.rules.after(
+            state, stopping=self._stop.is_set(), timed_out=soon, validated=self.validator.done(step)
+        )
+        if after.straight_on:
+            self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
+        elif after.saves and not (after.validate or after.stop):
+            self._send_save_ahead(state)  # a save is due, and the run goes on after it
         trained: list[StepTrained] = self.group.wait(sent)
         envelopes = self._load_envelopes([t.started for t in trained], step)
         return envelopes, [t.finished for t in trained]
@@ -348,7 +351,7 @@ class SFTController(SavePhase):
         there (``sft.val_period``, ``val_at_start``, ``val_at_end``) and the log holds none."""
         state = self._machine.save_state
         step = state.total_steps
-        if not self.validator.due(step, final=self._machine.rules.budget_reached(state)):
+        if not self._machine.rules.after(state, validated=self.validator.done(step)).validate:
             return
         metrics = self.validator.run(step, self._machine, self._attempt)
         self._metrics_log.log(step, metrics, prefix="val")

@@ -67,9 +67,9 @@ class SavePhase:
         """Workers start the next step once their checkpoint files are written, while the
         controller finishes the checkpoint (unless the run stops, or the deadline is near)."""
         timed_out = self.model.deadline_within(2)
-        if not self.model.rules.should_stop(
+        if not self.model.rules.after(
             state, stopping=self._stop.is_set(), timed_out=timed_out
-        ):
+        ).stop:
             step, attempt = state.total_steps + 1, self._attempt  # the save committed
             self.calls.send_ahead(step, commit=False, attempt=attempt, job=self._job)
 
@@ -111,7 +111,7 @@ class SavePhase:
         behind their files) while the controller completes the directory."""
         state, rules, attempt = self.model.save_state, self.model.rules, self._attempt
         stopping, timed_out = self.model.stop_verdicts()
-        kinds = rules.save_kinds(state, stopping=stopping, timed_out=timed_out)
+        kinds = rules.after(state, stopping=stopping, timed_out=timed_out).save_kinds
         metrics = self._policy_metrics()
         metric = self._checkpoint_metric(metrics) if metrics else {}
         ahead = self._take_save_ahead(state, final="final" in kinds)
@@ -145,7 +145,6 @@ class SavePhase:
         except BaseException:
             quietly("discard the checkpoint", write.discard)
             raise
-        self.model.step_ahead = self.calls.has_ahead  # it is recorded before a stop
         self.model.saved(event=write.complete(loader_states))
 
     def _discard_save_ahead(self) -> None:

@@ -19,7 +19,7 @@ from sft_runtime.events.lineage import records_in_effect
 from sft_runtime.runtime.config import MasterConfig
 from sft_runtime.runtime.metrics.step_metrics import sample_digest
 from sft_runtime.runtime.process.faults import fault_point
-from sft_runtime.runtime.validation.config import validation_due, validation_spec
+from sft_runtime.runtime.validation.config import validation_spec
 from sft_runtime.states import fold
 from sft_runtime.traces.context import inject_carrier
 from sft_runtime.traces.spans import VALIDATION_SPAN, traced
@@ -48,8 +48,9 @@ class Validator:
                 self._done.add(rec.data["step"])
                 self.latest = _metrics(rec.data)
 
-    def due(self, step: int, *, final: bool) -> bool:
-        return step not in self._done and validation_due(self.config, step, final=final)
+    def done(self, step: int) -> bool:
+        """The log holds a pass for ``step`` (`StepRules.after` then schedules none)."""
+        return step in self._done
 
     def run(self, step: int, model: Any, attempt: int | None) -> dict[str, Any]:
         """One pass on the weights after ``step``; recorded through ``model.validated``."""

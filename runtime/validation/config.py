@@ -2,8 +2,8 @@
 
 The spec is what every worker needs to run its share of a validation pass and nothing it does
 not: plain values, picklable, no torch, so the controller builds it and the config rules run
-before Ray starts. When validation runs is `validation_due`, one rule for the loop and for a
-resume alike.
+before Ray starts. When validation runs is the run's `ValidationSchedule` (`validation_schedule`),
+which `StepRules.after` reads: one rule for the loop, the machine and a resume alike.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from sft_runtime.runtime.data.chat_format import RENDERED_FORMAT, ChatFormat
 from sft_runtime.runtime.data.config import DataConfig, OverlongPolicy
 from sft_runtime.runtime.data.integrity import split_shards
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
+from sft_runtime.states.rules import ValidationSchedule
 
 VAL_METRIC_KEYS = ("val_loss", "val_tokens", "val_samples", "val_time")
 VAL_PREFIX = "val:"  # checkpointing.metric_name "val:val_loss"
@@ -184,14 +185,12 @@ def _check_split(path: str, split: str) -> None:
         )
 
 
-def validation_due(config: RunConfig, step: int, *, final: bool) -> bool:
-    """Whether a validation follows step ``step`` (0: before the first step)."""
+def validation_schedule(config: RunConfig) -> ValidationSchedule:
+    """The run's schedule of validation passes (never, without validation data)."""
     sft = config.sft
     if not validation_enabled(config) or config.data.validation is None:
-        return False
-    if step == 0:
-        return sft.val_at_start
-    return bool(sft.val_period and step % sft.val_period == 0) or (final and sft.val_at_end)
+        return ValidationSchedule()
+    return ValidationSchedule(sft.val_period or 0, sft.val_at_start, sft.val_at_end)
 
 
 def val_metric_name(metric_name: str | None) -> str | None:

@@ -13,7 +13,7 @@ from sft_runtime.states import SFTV2SaveState, StepRules
 
 
 def _kinds(rules: StepRules, step: int, timed_out: bool = False) -> tuple[str, ...]:
-    return rules.save_kinds(SFTV2SaveState(total_steps=step), timed_out=timed_out)
+    return rules.after(SFTV2SaveState(total_steps=step), timed_out=timed_out).save_kinds
 
 
 def test_save_rules_periodic_ft_and_final():
@@ -23,7 +23,7 @@ def test_save_rules_periodic_ft_and_final():
     assert _kinds(rules, 10) == ("periodic",)
     assert _kinds(rules, 20) == ("periodic", "ft")
     assert _kinds(rules, 25) == ("final",)
-    due = [s for s in range(1, 26) if rules.save_due(SFTV2SaveState(total_steps=s))]
+    due = [s for s in range(1, 26) if rules.after(SFTV2SaveState(total_steps=s)).saves]
     assert due == [4, 8, 10, 12, 16, 20, 24, 25]
     assert _kinds(rules, 3, timed_out=True) == ("final",)
 
@@ -31,7 +31,7 @@ def test_save_rules_periodic_ft_and_final():
 def test_disabled_checkpointing_never_saves():
     rules = StepRules(max_steps=25, save_period=10, ft_save_period=4, checkpointing=False)
     assert not any(
-        rules.save_due(SFTV2SaveState(total_steps=s), stopping=True, timed_out=True)
+        rules.after(SFTV2SaveState(total_steps=s), stopping=True, timed_out=True).saves
         for s in range(26)
     )
 

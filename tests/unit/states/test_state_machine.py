@@ -17,6 +17,7 @@ from sft_runtime.states import (
     replay,
 )
 from sft_runtime.states.machine import mermaid
+from sft_runtime.states.rules import ValidationSchedule
 from tests.support.logbuild import step_event
 
 S = ControllerState
@@ -132,13 +133,15 @@ def test_stop_request_saves_at_the_next_boundary_and_closes():
 def test_a_step_sent_ahead_defers_a_stop_and_the_deadline_but_not_a_periodic_save():
     """The workers already run the next step (sent whole): a stop request or the deadline at
     this commit takes effect after that step, never before; the save period still saves."""
-    now = [0.0]
+    now, ahead = [0.0], [False]
     model = ControllerModel(
-        StepRules(max_steps=100, save_period=2, deadline=10.0), clock=lambda: now[0]
+        StepRules(max_steps=100, save_period=2, deadline=10.0),
+        clock=lambda: now[0],
+        step_ahead=lambda: ahead[0],
     )
     _ready(model)
     model.batch_loaded()
-    model.stop_requested, model.step_ahead = True, True
+    model.stop_requested, ahead[0] = True, True
     now[0] = 11.0  # past the deadline too
     assert model.stop_verdicts() == (False, False) and not model.deadline_verdict()
     model.commit(event=step_event(1))
@@ -150,7 +153,7 @@ def test_a_step_sent_ahead_defers_a_stop_and_the_deadline_but_not_a_periodic_sav
     assert model.state is S.loading
     assert model.last_saved_step == 2
     model.batch_loaded()
-    model.step_ahead = False  # nothing more was sent: the stop and the deadline apply now
+    ahead[0] = False  # nothing more was sent: the stop and the deadline apply now
     assert model.stop_verdicts() == (True, True)
     model.commit(event=step_event(3))
     assert model.state is S.saving
@@ -206,17 +209,17 @@ def test_guards_are_pure_functions_of_state_config_and_clock():
 
     rules = StepRules(max_steps=10, save_period=4, deadline=100.0)
     at = SFTV2SaveState
-    assert [rules.save_due(at(total_steps=s)) for s in (0, 3, 4, 8, 10)] == [
+    assert [rules.after(at(total_steps=s)).saves for s in (0, 3, 4, 8, 10)] == [
         False,
         False,
         True,
         True,
         True,
     ]
-    assert rules.save_due(at(total_steps=3), timed_out=True)
-    assert not rules.save_due(at(), timed_out=True)  # nothing to save before step 1
-    assert rules.should_stop(at(total_steps=1), stopping=True)
-    assert not StepRules(max_steps=10, checkpointing=False).save_due(at(total_steps=10))
+    assert rules.after(at(total_steps=3), timed_out=True).saves
+    assert not rules.after(at(), timed_out=True).saves  # nothing to save before step 1
+    assert rules.after(at(total_steps=1), stopping=True).stop
+    assert not StepRules(max_steps=10, checkpointing=False).after(at(total_steps=10)).saves
     assert StepRules(max_steps=1).deadline == math.inf
     # the deadline fires once a step of the mean length would end past it
     assert not rules.timed_out(98.0, mean_step_s=1.5) and rules.timed_out(98.5, mean_step_s=1.5)
@@ -254,16 +257,45 @@ def test_a_stop_right_after_a_checkpoint_closes_without_saving_again():
     assert model.halt() is True and model.state is S.closing
 
 
-def test_continues_after_says_when_the_next_start_may_be_sent_ahead():
+def test_after_says_when_the_next_step_may_be_sent_ahead():
     rules = StepRules(max_steps=10, save_period=4, ft_save_period=3, deadline=1000.0)
 
     def follows(step: int, timed_out: bool = False, stopping: bool = False) -> bool:
         state = SFTV2SaveState(step, 0, 0, "h")
-        return rules.continues_after(state, stopping=stopping, timed_out=timed_out)
+        return rules.after(state, stopping=stopping, timed_out=timed_out).straight_on
 
     assert [s for s in range(1, 11) if follows(s)] == [1, 2, 5, 7]  # not 3,6,9 / 4,8 / 10
     assert not follows(1, timed_out=True)  # the deadline fires at the step's end
     assert not follows(1, stopping=True)
-    assert StepRules(max_steps=5, checkpointing=False).continues_after(
-        SFTV2SaveState(3, 0, 0, "h"), stopping=False
+    assert (
+        StepRules(max_steps=5, checkpointing=False).after(SFTV2SaveState(3, 0, 0, "h")).straight_on
     )
+
+
+def test_after_names_each_of_the_moves_a_step_can_be_followed_by():
+    schedule = ValidationSchedule(period=3, at_start=True, at_end=True)
+    rules = StepRules(max_steps=8, save_period=4, validation=schedule)
+    names = {s: rules.after(SFTV2SaveState(total_steps=s)).name for s in range(9)}
+    assert names == {
+        0: "validate, then continue",  # val_at_start
+        1: "continue",
+        2: "continue",
+        3: "validate, then continue",
+        4: "save and continue",
+        5: "continue",
+        6: "validate, then continue",
+        7: "continue",
+        8: "validate, then save and stop",  # the budget's end: val_at_end, the final save
+    }
+    # a pass the log holds for the step is not run again; a stop request saves and stops
+    assert rules.after(SFTV2SaveState(total_steps=3), validated=True).name == "continue"
+    assert rules.after(SFTV2SaveState(total_steps=5), stopping=True).name == "save and stop"
+    # without checkpointing a stop saves nothing; at step 0 there is nothing to save
+    assert (
+        StepRules(max_steps=2, checkpointing=False).after(SFTV2SaveState(total_steps=2)).name
+        == "stop"
+    )
+    assert StepRules(max_steps=2).after(SFTV2SaveState(), stopping=True).name == "stop"
+    # the kinds are the checkpoint's reasons, in a fixed order
+    both = StepRules(max_steps=12, save_period=4, ft_save_period=6)
+    assert both.after(SFTV2SaveState(total_steps=12)).save_kinds == ("periodic", "ft", "final")

@@ -17,7 +17,7 @@ from sft_runtime.runtime.config import validate_config
 from sft_runtime.runtime.config_files.overrides import apply_override
 from sft_runtime.runtime.data.demo import build_demo_dataset
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.validation.config import validation_due, validation_spec
+from sft_runtime.runtime.validation.config import validation_schedule, validation_spec
 from tests.support.logbuild import PLACEMENT, step_event
 from tests.support.small_run import small_raw
 
@@ -90,7 +90,7 @@ def test_the_spec_and_when_validation_is_due(val_data):
     )
     spec = validation_spec(config)
     assert spec.num_samples == 8 and spec.global_batch_size == 4 and spec.micro_batch_size == 2
-    due = [s for s in range(8) if validation_due(config, s, final=s == 7)]
+    due = [s for s in range(8) if validation_schedule(config).due(s, final=s == 7)]
     assert due == [3, 6, 7]  # not at the start without val_at_start
     whole = validation_spec(
         validate_config(
