@@ -107,12 +107,6 @@ class Checkpointer:
         unknown name fails at the first step."""
         return state_metric(self.section.metric_name, metrics, val_metrics)
 
-    def save(
-        self, state: SFTV2SaveState, loader_states: list[bytes], **kwargs: Any
-    ) -> CheckpointSaved:
-        """Write and commit ``step_<total_steps>``; the `checkpoint_saved` event to record."""
-        return self.begin(state, **kwargs).complete(loader_states)
-
     def begin(
         self,
         state: SFTV2SaveState,

@@ -341,14 +341,6 @@ class PolicyWorkerBase(LoaderOwner):
     def get_optimizer_state(self, **kwargs: Any) -> dict[str, Any]:
         return self.state.get_optimizer_state(**kwargs)
 
-    def close(self, *, _otel_carrier: dict | None = None) -> None:
-        """Close the loader and leave the process group (best effort, before a kill)."""
-        try:
-            self.close_sft_dataloader()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
 
 def _no_cuda_message(gpus_per_node: int) -> str:
     """Why a worker that was given a GPU cannot use it, and what to change."""

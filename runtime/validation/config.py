@@ -191,10 +191,3 @@ def validation_schedule(config: RunConfig) -> ValidationSchedule:
     if not validation_enabled(config) or config.data.validation is None:
         return ValidationSchedule()
     return ValidationSchedule(sft.val_period or 0, sft.val_at_start, sft.val_at_end)
-
-
-def val_metric_name(metric_name: str | None) -> str | None:
-    """``val_loss`` for ``val:val_loss``; None for a training metric or none."""
-    if metric_name and metric_name.startswith(VAL_PREFIX):
-        return metric_name.removeprefix(VAL_PREFIX)
-    return None
