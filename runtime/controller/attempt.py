@@ -86,16 +86,21 @@ def open_attempt(
 
 
 def undo_step(
-    exc: BaseException, in_flight: StepInFlight, *, calls: Any, group: Any, model: ControllerModel
+    exc: BaseException,
+    in_flight: StepInFlight,
+    *,
+    pipeline: Any,
+    group: Any,
+    model: ControllerModel,
 ) -> None:
-    """Undo what the step opened (`StepCalls` ``calls``, on the worker ``group``), then record
+    """Undo what the step opened (`Pipeline` ``pipeline``, on the worker ``group``), then record
     ``step_aborted`` through ``model``; cleanup failures only warn."""
     phase = in_flight.failed_phase(exc)
-    quietly("wait for the step's calls", calls.settle)
+    quietly("wait for the step's calls", pipeline.settle)
     policy_open, batch_active = in_flight.policy_open, in_flight.batch_active
-    if calls.has_ahead:  # a step sent ahead is given up with this one
+    if pipeline.has_ahead:  # a step sent ahead is given up with this one
         policy_open = batch_active = True
-        quietly("give up the step sent ahead", calls.drop_ahead)
+        quietly("give up the step sent ahead", pipeline.drop_ahead)
     if policy_open:
         quietly("abort the policy step", lambda: group.abort_train_step(carrier=inject_carrier()))
     if batch_active:

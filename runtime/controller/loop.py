@@ -30,12 +30,10 @@ from sft_runtime.runtime.controller.attempt import (
     open_attempt,
     undo_step,
 )
-from sft_runtime.runtime.controller.save_ahead import SaveAhead
-from sft_runtime.runtime.controller.saving import SavePhase
-from sft_runtime.runtime.controller.step_calls import StepCalls
+from sft_runtime.runtime.controller.pipeline import Pipeline
 from sft_runtime.runtime.controller.validation import Validator
 from sft_runtime.runtime.data.factory import build_colocated_loader
-from sft_runtime.runtime.errors import DiskFullError, DivergedError
+from sft_runtime.runtime.errors import DiskFullError, DivergedError, quietly
 from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.metrics.step_metrics import (
     SFT_V2_TEED_METRICS,
@@ -47,6 +45,7 @@ from sft_runtime.runtime.metrics.step_metrics import (
     step_metrics,
     step_timings,
 )
+from sft_runtime.runtime.policy.calls import Pending
 from sft_runtime.runtime.policy.results import StepFinished, StepStarted, StepTrained
 from sft_runtime.runtime.process.disk_full import disk_full_error
 from sft_runtime.runtime.process.faults import fault_point
@@ -61,6 +60,7 @@ from sft_runtime.traces.spans import (
     EVENT_APPEND_SPAN,
     JOB_SPAN,
     PHASE_ATTR,
+    SAVE_SPAN,
     SETUP_SPANS,
     record_error,
     traced,
@@ -83,7 +83,7 @@ SEED_STEPS = (
 embedding user who reads or overrides one changes the path that runs."""
 
 
-class SFTController(SavePhase):
+class SFTController:
     """Drives the policy workers through the machine's states for one attempt of a run."""
 
     def __init__(self, master_config: MasterConfig, actor_args: Any) -> None:
@@ -105,8 +105,7 @@ class SFTController(SavePhase):
         self._stop = threading.Event()
         self.tally = RunTally()  # this attempt's committed steps
         self.log: EventLog | None = None
-        self.calls = StepCalls(self.group, actor_args.loss_fn)
-        self._save_ahead: SaveAhead | None = None  # a periodic save sent with its step
+        self.pipeline = Pipeline(self.group, actor_args.loss_fn, self.checkpointer)
         self.validator = Validator(master_config, self.group)
         self._job = None  # the job span (each step span links to it)
         self._trace: StepTrace | None = None  # the trace of the step in flight
@@ -168,8 +167,8 @@ class SFTController(SavePhase):
                 while self._machine.state is ControllerState.loading:
                     self._check_driver()
                     self._machine.stop_requested = self._stop.is_set()
-                    # a step sent ahead runs first (StepCalls); then saving, when unsaved
-                    if not self.calls.has_ahead and self._machine.halt():
+                    # a step sent ahead runs first (Pipeline); then saving, when unsaved
+                    if not self.pipeline.has_ahead and self._machine.halt():
                         if self._should_save(save_by_timeout=self._machine.save_by_timeout()):
                             self._save_checkpoint()
                         break
@@ -193,7 +192,7 @@ class SFTController(SavePhase):
             self.args,
             self.run_dir,
             max_steps=self.max_steps,
-            step_ahead=lambda: self.calls.has_ahead,
+            step_ahead=lambda: self.pipeline.has_ahead,
         )
         self.validator.read_log(self.log)  # after run_started: what this resume rolled back
 
@@ -238,7 +237,7 @@ class SFTController(SavePhase):
     def _run_one_step(self) -> None:
         step = self._machine.save_state.total_steps + 1
         # its start was sent with the last step, or it starts now
-        trace = self.calls.ahead_trace(step)
+        trace = self.pipeline.ahead_trace(step)
         if trace is None:
             trace = StepTrace(step, attempt=self._attempt, job=self._job)
         self._trace = trace
@@ -270,7 +269,7 @@ class SFTController(SavePhase):
             self._check_finite(step, metrics)
             in_flight.enter(StepPhase.commit)
             self._check_driver()  # a killed run commits no step after its driver died
-            self.calls.recorded()  # the loader commit goes with the next start
+            self.pipeline.recorded()  # the loader commit goes with the next start
             in_flight.committed()
             self._fault_after(StepPhase.commit, step)
             in_flight.enter(StepPhase.record)
@@ -310,8 +309,10 @@ class SFTController(SavePhase):
 
     def _run_train_step(self, step: int) -> tuple[list, list[StepFinished]]:
         """Send the step (unless sent ahead), and the next step when it is certain to follow
-        (`StepCalls`); then wait: envelopes and finish metrics."""
-        sent = self.calls.send(step, self._trace)
+        (`Pipeline`); then wait: envelopes and finish metrics."""
+        if self._trace is None:
+            raise RuntimeError("_run_train_step runs inside its step's trace (_run_one_step)")
+        sent = self.pipeline.send(step, self._trace)
         state = replace(self._machine.save_state, total_steps=step)
         # the next step, sent now, ends about two mean steps from now: is the deadline closer?
         soon = self._machine.deadline_within(2)
@@ -319,9 +320,10 @@ class SFTController(SavePhase):
             state, stopping=self._stop.is_set(), timed_out=soon, validated=self.validator.done(step)
         )
         if after.straight_on:
-            self.calls.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
+            self.pipeline.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
         elif after.saves and not (after.validate or after.stop):
-            self._send_save_ahead(state)  # a save is due, and the run goes on after it
+            # a save is due, and the run goes on after it
+            self.pipeline.send_save_ahead(state, attempt=self._attempt, job=self._job)
         trained: list[StepTrained] = self.group.wait(sent)
         envelopes = self._load_envelopes([t.started for t in trained], step)
         return envelopes, [t.finished for t in trained]
@@ -359,17 +361,99 @@ class SFTController(SavePhase):
     def _close_loaders(self) -> None:
         """The last step's batch committed (a step sent ahead given up), then the loaders closed."""
         try:
-            self.calls.drop_ahead()
-            self.calls.flush_commit()
+            self.pipeline.drop_ahead()
+            self.pipeline.flush_commit()
         finally:
             self._owner_call(self.group.close_loaders)
 
+    # -- saving --------------------------------------------------------------------------
+    def _should_save(self, *, save_by_timeout: bool) -> bool:
+        """Whether a checkpoint is written now: the machine's save rules moved it to
+        ``saving`` (a save period, the end of the budget, a stop request, or the deadline,
+        whose verdict ``save_by_timeout`` is: the guards read the same latched one)."""
+        model = self._machine
+        saving = model.state is ControllerState.saving
+        if save_by_timeout and model.rules.checkpointing and not saving:
+            if model.save_state.total_steps > model.last_saved_step:
+                raise RuntimeError(
+                    "the deadline passed with unsaved steps but the machine is not saving"
+                )
+        return saving
+
+    def _checkpoint_metric(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """``{"train:<name>": value}`` for ``checkpointing.metric_name`` (``{}`` without
+        one; ``val:<name>`` from the latest validation); the config refuses an unknown name
+        before Ray starts."""
+        return self.checkpointer.metric(metrics, self.validator.latest)
+
+    def _loader_state_dicts(self, sent: Pending | None = None) -> list[bytes]:
+        """Each owner's loader state at the last committed step, pickled in the worker (see
+        `dump_loader_state`): the calls a save `sent` ahead of its writes, or sent now."""
+        if sent is None:
+            sent = self._owner_call(self.pipeline.send_loader_states)
+        return self.group.wait(sent)
+
+    def _save_checkpoint(self) -> None:
+        """Write the checkpoint of the save state; the workers go on to the next step (sent
+        behind their files) while the controller completes the directory. The loader states
+        come first, then the writes, then the next step, all sent before anything is waited
+        for: with the step before the save (`Pipeline.send_save_ahead`) or now."""
+        model, attempt = self._machine, self._attempt
+        state, rules = model.save_state, model.rules
+        stopping, timed_out = model.stop_verdicts()
+        kinds = rules.after(state, stopping=stopping, timed_out=timed_out).save_kinds
+        metrics = self._policy_metrics()
+        metric = self._checkpoint_metric(metrics) if metrics else {}
+        ahead = self.pipeline.take_save_ahead(state.total_steps, final="final" in kinds)
+        if ahead is not None:
+            with ahead.current():
+                ahead.write.describe(state, kinds=kinds, metric=metric)
+                self._complete_save(ahead.states, ahead.write)
+        else:
+            with traced(SAVE_SPAN, attributes={"step": state.total_steps, "attempt": attempt}):
+                states = self._owner_call(self.pipeline.send_loader_states)  # before the writes
+                write = self.checkpointer.begin(
+                    state,
+                    kinds=kinds,
+                    metric=metric,
+                    attempt=attempt,
+                    final=rules.budget_reached(state),
+                    carrier=inject_carrier(),
+                )
+                self._complete_save(states, write, past=state)
+        fault_point("saving:after_record", step=state.total_steps, attempt=attempt)
+        quietly("prune old checkpoints", self.checkpointer.prune)
+
+    def _complete_save(self, states: Pending, write: Any, *, past: Any = None) -> None:
+        """Wait for the loader states (first sending the next step's start behind the writes,
+        for a save sent now, when the run goes on after it: ``past`` is its state), complete
+        the directory, record it; the writes are discarded if anything before the completion
+        fails."""
+        model = self._machine
+        try:
+            if past is not None and self._goes_on_after(past):
+                step = past.total_steps + 1  # the save committed its batch
+                self.pipeline.send_ahead(step, commit=False, attempt=self._attempt, job=self._job)
+            loader_states = self._loader_state_dicts(states)
+        except BaseException:
+            quietly("discard the checkpoint", write.discard)
+            raise
+        model.saved(event=write.complete(loader_states))
+
+    def _goes_on_after(self, state: Any) -> bool:
+        """The run continues after ``state``'s checkpoint: no stop request, no budget end,
+        no deadline forecast within two steps."""
+        soon = self._machine.deadline_within(2)
+        return not self._machine.rules.after(
+            state, stopping=self._stop.is_set(), timed_out=soon
+        ).stop
+
     def _abort_step(self, exc: BaseException, in_flight: StepInFlight) -> None:
-        self._discard_save_ahead()
-        undo_step(exc, in_flight, calls=self.calls, group=self.group, model=self._machine)
+        self.pipeline.discard_save_ahead()
+        undo_step(exc, in_flight, pipeline=self.pipeline, group=self.group, model=self._machine)
 
     def _close(self, reason: str, error: BaseException | None) -> None:
-        self._discard_save_ahead()  # a step recorded, then the run failed before its save
+        self.pipeline.discard_save_ahead()  # a step recorded, then the run failed before its save
         telemetry = self.config.telemetry
         self._flush_by = end_attempt(
             reason,

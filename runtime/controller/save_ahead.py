@@ -12,7 +12,7 @@ Nothing is committed early. Each loader-state call commits the step's batch only
 finished on that worker (otherwise it fails), and the checkpoint directory is completed by
 `CheckpointWrite.complete` only after the step's event is recorded, with the state and
 metric that record holds (`CheckpointWrite.describe`). A stop request or the deadline that
-comes meanwhile takes effect after the step sent with the save (`StepCalls`), so the save is
+comes meanwhile takes effect after the step sent with the save (`Pipeline`), so the save is
 kept. When the step fails, the calls are given up (`discard`): their results are read, errors
 and all, and their temporary directory is removed.
 """

@@ -1,4 +1,11 @@
-"""`StepCalls`: each step's worker calls, sent so that the workers never wait on the controller.
+"""`Pipeline`: everything the controller has sent the workers and not yet settled, in one place.
+
+That is the current step's call, the next step sent ahead of it, a checkpoint sent ahead with
+its step (`SaveAhead`), and the loader commit the last recorded step still owes: each a named
+field here, each decided here, so a reader finds what is in flight without following the loop.
+Whether a step or a save may be sent ahead is `StepRules.after`'s answer, which the loop asks.
+
+Each step's worker calls are sent so that the workers never wait on the controller.
 
 A step is one call per worker, `train_sft_step`: commit the previous batch, load, begin,
 forward/backward, then the gradient all-reduce and the optimizer. Ray runs an actor's calls
@@ -25,42 +32,61 @@ checkpoint's loader-state call commits first (`take_commit`), and at the end of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from sft_runtime.runtime.checkpoint.save import Checkpointer
+from sft_runtime.runtime.controller.save_ahead import SaveAhead
+from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.policy.calls import Pending
+from sft_runtime.states import SFTV2SaveState
 from sft_runtime.traces.step_trace import StepTrace
 
 SETTLE_TIMEOUT_S = 30.0
 
 
-class StepCalls:
-    """The call of the current step and of a step sent ahead."""
+@dataclass(frozen=True)
+class StepAhead:
+    """A step sent before the one in flight was recorded: its number, call and trace."""
 
-    def __init__(self, group: Any, loss_fn: Any) -> None:
+    step: int
+    call: Pending
+    trace: StepTrace
+
+
+class Pipeline:
+    """The calls in flight: the current step, a step and a checkpoint sent ahead, and the
+    loader commit owed."""
+
+    def __init__(self, group: Any, loss_fn: Any, checkpointer: Checkpointer) -> None:
         self.group = group
         self.loss_fn = loss_fn
+        self.checkpointer = checkpointer
+        self.current: Pending | None = None  # the current step's call, for `settle`
+        self.ahead: StepAhead | None = None
+        self.save_ahead: SaveAhead | None = None  # a periodic save sent with its step
         self.commit_pending = False  # the last recorded step's batch still needs a commit
-        self._ahead: tuple[int, Pending, StepTrace] | None = None  # (step, its call, trace)
-        self._sent: Pending | None = None  # the current step's call, for `settle`
 
     @property
     def has_ahead(self) -> bool:
-        return self._ahead is not None
+        return self.ahead is not None
 
     def ahead_trace(self, step: int) -> StepTrace | None:
         """The trace of ``step`` when it was sent ahead (the step runs inside it)."""
-        return self._ahead[2] if self._ahead is not None and self._ahead[0] == step else None
+        ahead = self.ahead
+        return ahead.trace if ahead is not None and ahead.step == step else None
 
     def send(self, step: int, trace: StepTrace) -> Pending:
         """``step``'s call: the one sent ahead, or sent now under ``trace``."""
-        if self._ahead is not None:
-            ahead, pending, _ = self._ahead
-            if ahead != step:
-                raise RuntimeError(f"step {ahead} was sent ahead, but step {step} is next")
-            self._ahead = None
+        if self.ahead is not None:
+            if self.ahead.step != step:
+                raise RuntimeError(
+                    f"step {self.ahead.step} was sent ahead, but step {step} is next"
+                )
+            pending, self.ahead = self.ahead.call, None
         else:
             pending = self._send(trace, self.take_commit(), sent_ahead=False)
-        self._sent = pending
+        self.current = pending
         return pending
 
     def send_ahead(self, step: int, *, commit: bool, attempt: int | None, job: Any) -> None:
@@ -69,7 +95,7 @@ class StepCalls:
         commits the current step's batch in the worker if (and only if) that step finished
         there."""
         trace = StepTrace(step, attempt=attempt, job=job, sent_ahead=True)
-        self._ahead = (step, self._send(trace, commit, sent_ahead=True), trace)
+        self.ahead = StepAhead(step, self._send(trace, commit, sent_ahead=True), trace)
 
     def _send(self, trace: StepTrace, commit: bool, *, sent_ahead: bool) -> Pending:
         return self.group.send_step(
@@ -83,8 +109,8 @@ class StepCalls:
     def recorded(self) -> None:
         """The current step is recorded: its batch is committed by the step sent ahead, or
         by the next step, a checkpoint or `flush_commit` when none was."""
-        self.commit_pending = self._ahead is None
-        self._sent = None
+        self.commit_pending = self.ahead is None
+        self.current = None
 
     def take_commit(self) -> bool:
         """Whether the last recorded step's batch still needs its commit; the caller sends it
@@ -100,8 +126,8 @@ class StepCalls:
     def settle(self) -> None:
         """Wait (errors ignored) for the current step's call and one sent ahead, so an abort
         sent next runs after them and no failed result goes unread."""
-        pending = [p for p in (self._sent, self._ahead and self._ahead[1]) if p]
-        self._sent = None
+        pending = [p for p in (self.current, self.ahead and self.ahead.call) if p]
+        self.current = None
         if pending:
             self.group.settle(sum(pending[1:], pending[0]), SETTLE_TIMEOUT_S)
 
@@ -109,13 +135,43 @@ class StepCalls:
         """Give up a step sent ahead, when the attempt ends without recording it: wait for
         it, then abort what of it is still open (a step that failed midway, the batch it
         opened); its span ends marked discarded. True when there was one."""
-        if self._ahead is None:
+        if self.ahead is None:
             return False
         self.settle()
-        trace = self._ahead[2]
-        self._ahead = None
+        trace, self.ahead = self.ahead.trace, None
         trace.end(attributes={"sft.discarded": True})
         self.commit_pending = False
         self.group.abort_train_step()
         self.group.abort_batches()
         return True
+
+    # -- a checkpoint sent ahead with its step ---------------------------------------------
+    def send_save_ahead(self, state: SFTV2SaveState, *, attempt: int | None, job: Any) -> None:
+        """The checkpoint after ``state``'s step, sent behind the step's finish, and the next
+        step's start behind the checkpoint's writes (`SaveAhead`)."""
+        self.save_ahead = SaveAhead.send(
+            state, group=self.group, checkpointer=self.checkpointer, attempt=attempt, job=job
+        )
+        self.send_ahead(state.total_steps + 1, commit=False, attempt=attempt, job=job)
+
+    def take_save_ahead(self, step: int, *, final: bool) -> SaveAhead | None:
+        """The save sent ahead for ``step``, unless it turned out to be the last one (or
+        there is none); one not taken is discarded."""
+        ahead, self.save_ahead = self.save_ahead, None
+        if ahead is not None and (final or ahead.step != step):
+            quietly("discard the checkpoint sent ahead", ahead.discard)
+            return None
+        return ahead
+
+    def discard_save_ahead(self) -> None:
+        ahead, self.save_ahead = self.save_ahead, None
+        if ahead is not None:
+            quietly("discard the checkpoint sent ahead", ahead.discard)
+
+    def send_loader_states(self, *, carrier: dict | None) -> Pending:
+        """The loader-state calls at the last committed step, whose batch the same call
+        commits when no step did it. Never with a step sent ahead: the machine saves only
+        after that one (`step_ahead`), or with the save sent along with it."""
+        if self.has_ahead:
+            raise RuntimeError("a checkpoint of the last recorded step after the next was sent")
+        return self.group.send_loader_state_bytes(self.take_commit(), carrier=carrier)
