@@ -45,13 +45,14 @@ from sft_runtime.runtime.metrics.step_metrics import (
     step_metrics,
     step_timings,
 )
-from sft_runtime.runtime.policy.calls import Pending
-from sft_runtime.runtime.policy.results import StepFinished, StepStarted, StepTrained
+from sft_runtime.runtime.policy.step_outcome import StepFinished
 from sft_runtime.runtime.process.disk_full import disk_full_error
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.liveness import check_driver
 from sft_runtime.runtime.process.niceness import controller_niceness, set_niceness
 from sft_runtime.runtime.resume.input_identity import config_identities
+from sft_runtime.runtime.workers.calls import Pending
+from sft_runtime.runtime.workers.results import StepStarted, StepTrained
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase, fold
 from sft_runtime.traces.context import attached, inject_carrier
 from sft_runtime.traces.metrics import StepInstruments

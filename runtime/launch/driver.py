@@ -24,8 +24,8 @@ from sft_runtime.runtime.controller.actor import SFTSingleControllerActor
 from sft_runtime.runtime.errors import RunFailure, UserInputError, quietly
 from sft_runtime.runtime.launch.run_lock import holding_run
 from sft_runtime.runtime.launch.setup import setup_sft_v2
-from sft_runtime.runtime.policy.actor_exit import kill_and_wait
 from sft_runtime.runtime.process.faults import actor_fault_options, fault_point
+from sft_runtime.runtime.workers.actor_exit import kill_and_wait
 from sft_runtime.traces.context import inject_carrier
 from sft_runtime.traces.setup import setup_telemetry
 from sft_runtime.traces.spans import DRIVER_SPAN, traced

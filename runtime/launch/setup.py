@@ -164,9 +164,9 @@ def _holder_orphaned(lock: Path) -> bool:
 
 def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None) -> SFTV2ActorArgs:
     """Validate, start or join Ray, build the workers and the placement plan, find the resume."""
-    from sft_runtime.runtime.policy.cluster import PlacementError
-    from sft_runtime.runtime.policy.group import PolicyWorkerGroup
     from sft_runtime.runtime.policy.loss import NLLLossFn
+    from sft_runtime.runtime.workers.cluster import PlacementError
+    from sft_runtime.runtime.workers.group import PolicyWorkerGroup
 
     config = master_config
     run_dir = Path(config.logger.log_dir)

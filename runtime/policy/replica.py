@@ -42,8 +42,8 @@ from sft_runtime.runtime.policy.dynamic_batches import token_budget_micro_batche
 from sft_runtime.runtime.policy.loss import NLLLossFn, read_metrics
 from sft_runtime.runtime.policy.model import build_model, forward_logits
 from sft_runtime.runtime.policy.replica_state import ReplicaState
-from sft_runtime.runtime.policy.results import StepFinished, StepUndone
 from sft_runtime.runtime.policy.schedule import LrSchedule, build_optimizer
+from sft_runtime.runtime.policy.step_outcome import StepFinished, StepUndone
 from sft_runtime.traces.context import TRACER
 from sft_runtime.traces.spans import ALLREDUCE_SPAN, OPTIMIZER_SPAN
 

@@ -21,7 +21,7 @@ from sft_runtime.events.errors import EventLogError
 from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.launch.driver import run_training
-from sft_runtime.runtime.policy.group import PolicyWorkerGroup
+from sft_runtime.runtime.workers.group import PolicyWorkerGroup
 from tests.support.reliability import PREFETCH, Reference, committed, compare, load_weights
 from tests.support.small_run import small_config, small_raw
 
@@ -183,7 +183,7 @@ def test_a_second_run_on_a_live_run_directory_is_refused(
 def test_the_worker_error_reaches_the_driver_as_itself():
     import pickle
 
-    from sft_runtime.runtime.policy.group import PolicyWorkerError
+    from sft_runtime.runtime.workers.group import PolicyWorkerError
 
     error = PolicyWorkerError("train_step failed: rank 1: worker died", [1])
     again = pickle.loads(pickle.dumps(error))

@@ -34,6 +34,7 @@ RUNTIME_ORDER = (
     "checkpoint",
     "lora",  # adapters through peft, below the policy that trains them
     "policy",
+    "workers",  # the policy on Ray: the actor, its calls and results, the group
     "export",
     "config_files",  # files read as NeMo RL reads them (defaults, interpolation, overrides)
     "config",  # MasterConfig: assembles the sections the folders below define

@@ -11,7 +11,8 @@ import torch
 
 from sft_runtime.runtime.policy.loss import NLLLossFn
 from sft_runtime.runtime.policy.model import TinyTransformer
-from sft_runtime.runtime.policy.results import StepFinished, StepStarted, StepTrained
+from sft_runtime.runtime.policy.step_outcome import StepFinished
+from sft_runtime.runtime.workers.results import StepStarted, StepTrained
 from tests.support import sources
 
 

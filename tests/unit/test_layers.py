@@ -129,9 +129,9 @@ PLANTS = {
     "import_module string": Plant(
         "runtime/metrics/step_metrics.py",
         "def _planted():\n    import importlib\n\n"
-        '    return importlib.import_module("sft_runtime.runtime.policy.results")\n',
+        '    return importlib.import_module("sft_runtime.runtime.workers.results")\n',
         4,
-        "{at}: string import: 'sft_runtime.runtime.policy.results' names a module of ours",
+        "{at}: string import: 'sft_runtime.runtime.workers.results' names a module of ours",
     ),
     "__import__ string": Plant(
         "events/log.py",

@@ -20,7 +20,7 @@ from sft_runtime.events.run_diff import step_facts
 from sft_runtime.runtime.config import loader_spec
 from sft_runtime.runtime.data.factory import build_colocated_loader
 from sft_runtime.runtime.launch.driver import run_training
-from sft_runtime.runtime.policy.group import PolicyWorkerGroup
+from sft_runtime.runtime.workers.group import PolicyWorkerGroup
 from tests.support.policy_steps import one_step
 from tests.support.reliability import (
     Reference,

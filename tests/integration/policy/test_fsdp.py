@@ -19,7 +19,7 @@ import torch
 from sft_runtime.runtime.checkpoint.policy_files import load_weights
 from sft_runtime.runtime.checkpoint.sharded import TRAINER_STATE, is_sharded
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.policy.group import PolicyWorkerError, PolicyWorkerGroup
+from sft_runtime.runtime.workers.group import PolicyWorkerError, PolicyWorkerGroup
 from tests.support import sources
 from tests.support.policy_steps import (
     assert_tree_equal,

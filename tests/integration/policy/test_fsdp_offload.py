@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sft_runtime.runtime.policy.group import PolicyWorkerGroup
+from sft_runtime.runtime.workers.group import PolicyWorkerGroup
 from tests.support.policy_steps import factories, one_step
 
 STEPS, SAVE_AT, WORLD = 6, 3, 2

@@ -21,8 +21,8 @@ from sft_runtime.runtime.checkpoint.policy_files import load_weights
 from sft_runtime.runtime.checkpoint.sharded import is_sharded
 from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.launch.driver import run_training
-from sft_runtime.runtime.policy.group import PolicyWorkerGroup
 from sft_runtime.runtime.policy.hf_model import hf_logits, load_hf_model, load_hf_state_dict
+from sft_runtime.runtime.workers.group import PolicyWorkerGroup
 from tests.support.fixtures import HF_STEPS, hf_overrides
 from tests.support.reliability import committed
 from tests.support.small_run import small_config

@@ -20,9 +20,9 @@ from ray.util import placement_group_table
 from safetensors.torch import load_file
 
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.policy.cluster import PlacementError
-from sft_runtime.runtime.policy.group import PolicyWorkerError, PolicyWorkerGroup
 from sft_runtime.runtime.policy.loss import NLLLossFn
+from sft_runtime.runtime.workers.cluster import PlacementError
+from sft_runtime.runtime.workers.group import PolicyWorkerError, PolicyWorkerGroup
 from tests.support import sources
 from tests.support.policy_steps import (
     assert_tree_equal,

@@ -17,9 +17,10 @@ from sft_runtime.runtime.controller.loop import SEED_STEPS, SFTController
 from sft_runtime.runtime.data.batch import StepEnvelope
 from sft_runtime.runtime.data.placement import build_placement_plan
 from sft_runtime.runtime.launch.setup import SFTV2ActorArgs
-from sft_runtime.runtime.policy.calls import Pending, WorkerCalls
-from sft_runtime.runtime.policy.group import PolicyWorkerError
-from sft_runtime.runtime.policy.results import StepFinished, StepStarted, StepTrained
+from sft_runtime.runtime.policy.step_outcome import StepFinished
+from sft_runtime.runtime.workers.calls import Pending, WorkerCalls
+from sft_runtime.runtime.workers.group import PolicyWorkerError
+from sft_runtime.runtime.workers.results import StepStarted, StepTrained
 from sft_runtime.states import SFTV2SaveState
 from tests.support.small_run import small_config
 

@@ -16,8 +16,8 @@ import yaml
 from sft_runtime.events import read_log
 from sft_runtime.runtime.checkpoint.save import CheckpointWriteError
 from sft_runtime.runtime.errors import DiskFullError, RunFailure
-from sft_runtime.runtime.policy.group import PolicyWorkerError
 from sft_runtime.runtime.process.disk_full import disk_full_error
+from sft_runtime.runtime.workers.group import PolicyWorkerError
 from tests.support.small_run import small_raw
 from tests.unit.controller.test_controller_errors import StubGroup, _controller
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from sft_runtime.events import read_log
-from sft_runtime.runtime.policy.group import PolicyWorkerError
+from sft_runtime.runtime.workers.group import PolicyWorkerError
 from tests.unit.controller.test_controller_errors import StubGroup, _controller
 
 

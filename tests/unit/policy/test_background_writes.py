@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sft_runtime.runtime.policy.background_writes import BackgroundWrites, Copies, Staging
+from sft_runtime.runtime.workers.background_writes import BackgroundWrites, Copies, Staging
 
 
 def _write(path: Path, text: str):

@@ -259,7 +259,7 @@ def _seeded_rng_state(seed: int) -> torch.Tensor:
 def test_a_gpu_worker_without_cuda_is_refused_naming_the_key(cluster_cfg, policy_cfg):
     """Ray may grant a GPU that torch cannot use (a CPU-only torch build, a hidden device):
     the worker refuses at start instead of silently training on the CPU."""
-    from sft_runtime.runtime.policy.worker import PolicyWorkerBase
+    from sft_runtime.runtime.workers.worker import PolicyWorkerBase
 
     cluster = cluster_cfg.model_copy(update={"gpus_per_node": cluster_cfg.workers_per_node})
     with pytest.raises(UserInputError, match="cluster.gpus_per_node=2, but torch on .* no CUDA"):

@@ -24,12 +24,6 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sft_runtime.runtime.errors import PeerStepError, UserInputError
-from sft_runtime.runtime.policy.actor_exit import kill_and_wait
-from sft_runtime.runtime.policy.calls import CheckpointLoad, Pending, Ranks, WorkerCalls
-from sft_runtime.runtime.policy.cluster import (
-    create_placement_group,
-    remove_placement_group_quietly,
-)
 from sft_runtime.runtime.policy.config import (
     ClusterConfig,
     PolicyConfig,
@@ -37,6 +31,12 @@ from sft_runtime.runtime.policy.config import (
     parse_section,
 )
 from sft_runtime.runtime.process.faults import actor_fault_options
+from sft_runtime.runtime.workers.actor_exit import kill_and_wait
+from sft_runtime.runtime.workers.calls import CheckpointLoad, Pending, Ranks, WorkerCalls
+from sft_runtime.runtime.workers.cluster import (
+    create_placement_group,
+    remove_placement_group_quietly,
+)
 from sft_runtime.states.step import earliest
 
 __all__ = ["Pending", "PolicyWorkerError", "PolicyWorkerGroup", "PolicyWorkerInputError"]
@@ -269,6 +269,6 @@ def _is_peer(exc: BaseException) -> bool:
 def _worker_class() -> Any:
     """The actor class, imported on first use: unpickling a group (in the controller) then
     needs no torch."""
-    from sft_runtime.runtime.policy.worker import PolicyWorker
+    from sft_runtime.runtime.workers.worker import PolicyWorker
 
     return PolicyWorker

@@ -9,9 +9,9 @@ dict it replaces. Every field is plain data (floats, ints, strings, the loader's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from sft_runtime.runtime.data.batch import StepEnvelope
+from sft_runtime.runtime.policy.step_outcome import StepFinished
 
 
 @dataclass(frozen=True)
@@ -25,35 +25,11 @@ class StepStarted:
 
 
 @dataclass(frozen=True)
-class StepFinished:
-    """`finish_train_step`: the step's global loss and what this rank measured of it."""
-
-    loss: float
-    grad_norm: float
-    lr: float
-    valid_tokens: int  # supervised tokens of the global batch
-    local_valid_tokens: int
-    micro_batches: list[dict[str, Any]]  # the loss function's metrics, one dict each
-    forward_backward_s: float
-    allreduce_s: float
-    optimizer_s: float
-    step: int  # steps done, this one included
-
-
-@dataclass(frozen=True)
 class StepTrained:
     """`train_sft_step`: a whole step on this rank, its start's and its finish's results."""
 
     started: StepStarted
     finished: StepFinished
-
-
-@dataclass(frozen=True)
-class StepUndone:
-    """`abort_train_step`: whether a step was open, and the steps done (unchanged)."""
-
-    aborted: bool
-    step: int
 
 
 @dataclass(frozen=True)

@@ -19,16 +19,16 @@ from sft_runtime.runtime.checkpoint import sharded
 from sft_runtime.runtime.data.tokenizer import save_tokenizer
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.lora.base import BASE_FILE, base_record, weights_digest
-from sft_runtime.runtime.policy.background_writes import (
+from sft_runtime.runtime.policy.config import PolicyConfig
+from sft_runtime.runtime.policy.hf_model import write_hf_config
+from sft_runtime.runtime.policy.replica import Replica
+from sft_runtime.runtime.workers.background_writes import (
     BackgroundWrites,
     Copies,
     Staging,
     Write,
 )
-from sft_runtime.runtime.policy.config import PolicyConfig
-from sft_runtime.runtime.policy.hf_model import write_hf_config
-from sft_runtime.runtime.policy.replica import Replica
-from sft_runtime.runtime.policy.results import CheckpointFiles, CheckpointLoaded
+from sft_runtime.runtime.workers.results import CheckpointFiles, CheckpointLoaded
 
 
 class WorkerState:
@@ -87,7 +87,7 @@ class WorkerState:
         _otel_carrier: dict | None = None,
     ) -> CheckpointFiles:
         """`save_checkpoint` with the writing done by a thread while the next steps train
-        (see `runtime.policy.background_writes`); `checkpoint_written(weights_path)` returns
+        (see `runtime.workers.background_writes`); `checkpoint_written(weights_path)` returns
         what `save_checkpoint` would. The files are not fsynced one by one: they belong in a
         checkpoint folder whose caller fsyncs it whole before it commits it (`fsync_tree`).
         A sharded save is a collective in step with the peers: it is written here. Never

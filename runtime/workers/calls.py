@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 from sft_runtime.runtime.data.batch import BatchSource
-from sft_runtime.runtime.policy.results import (
+from sft_runtime.runtime.policy.step_outcome import StepUndone
+from sft_runtime.runtime.workers.results import (
     CheckpointFiles,
     CheckpointLoaded,
-    StepUndone,
     ValidationResult,
 )
 

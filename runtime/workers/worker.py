@@ -2,7 +2,7 @@
 
 One actor per DP rank. The batch a rank trains on is built by its own colocated loader
 (a `BatchSource` made from a picklable zero-arg factory) and never leaves the process; the
-controller only sees `StepEnvelope`s and the frozen records of `runtime.policy.results`.
+controller only sees `StepEnvelope`s and the frozen records of `runtime.workers.results`.
 
 Lifecycle, driven by `PolicyWorkerGroup`: the constructor pins the torch thread count,
 seeds python/numpy/torch (``seed + rank``) and builds the model from ``seed`` alone (the
@@ -42,19 +42,18 @@ from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy import rendezvous
 from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
-from sft_runtime.runtime.policy.results import (
-    CheckpointFiles,
-    CheckpointLoaded,
-    StepFinished,
-    StepStarted,
-    StepTrained,
-    StepUndone,
-    ValidationResult,
-)
-from sft_runtime.runtime.policy.worker_loader import LoaderOwner
-from sft_runtime.runtime.policy.worker_state import WorkerState
+from sft_runtime.runtime.policy.step_outcome import StepFinished, StepUndone
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.niceness import set_niceness
+from sft_runtime.runtime.workers.results import (
+    CheckpointFiles,
+    CheckpointLoaded,
+    StepStarted,
+    StepTrained,
+    ValidationResult,
+)
+from sft_runtime.runtime.workers.worker_loader import LoaderOwner
+from sft_runtime.runtime.workers.worker_state import WorkerState
 from sft_runtime.states.step import StepPhase
 from sft_runtime.traces.spans import (
     BEGIN_STEP_SPAN,
