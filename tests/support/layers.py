@@ -1,9 +1,12 @@
-"""The import layers of `events/`, `states/`, `traces/` and `runtime/`, read from source.
+"""The import layers of `events/`, `states/`, `traces/` and `runtime/`, read from source,
+and the test folders named for them.
 
 `layer_violations(root)` reads every module of the four packages under ``root`` with `ast`
 (nothing is imported) and returns one line per broken rule, each starting with the file, the
-line and the rule's name. tests/unit/test_layers.py runs it on the repository and on copies
-with a violation planted; the rules and the choices behind them are written there.
+line and the rule's name. `folder_violations(root)` does the same for the folders of
+``tests/unit`` and ``tests/integration``, which are named for the packages they test.
+tests/unit/test_layers.py runs both on the repository and on copies with a violation
+planted; the rules and the choices behind them are written there.
 """
 
 from __future__ import annotations
@@ -46,6 +49,17 @@ RUNTIME_ORDER = (
     "sft_v2",  # the public face: re-exports only
 )
 _IMPORTERS = ("import_module", "__import__")
+# The suites whose folders each test one package, named as the package is.
+TEST_SUITES = ("unit", "integration")
+# The folders of a suite that test no one package, each with why it stands apart.
+CROSS_CUTTING_TESTS: dict[str, dict[str, str]] = {
+    "unit": {},
+    "integration": {
+        "multinode": "a real two-node Ray cluster: launch, workers and controller across hosts",
+        "perf": "timings and benchmarks of whole paths, and bench/ run in smoke mode",
+        "real_model": "a real pretrained model downloaded and trained end to end",
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -227,6 +241,32 @@ def layer_violations(root: Path) -> list[str]:
             )
     bad += import_cycles(modules)
     return list(dict.fromkeys(bad))
+
+
+def package_names() -> tuple[str, ...]:
+    """The names a test folder may take: the top-level packages but `runtime`, whose units
+    each have a folder of their own, and the units of `RUNTIME_ORDER`."""
+    return (*(p for p in GROUND if p != "runtime"), *RUNTIME_ORDER)
+
+
+def folder_violations(root: Path) -> list[str]:
+    """One line per folder of ``root/tests/unit`` or ``root/tests/integration`` that is named
+    for no package and is not one of that suite's `CROSS_CUTTING_TESTS` (none: ``[]``)."""
+    packages = set(package_names())
+    bad = []
+    for suite in TEST_SUITES:
+        allowed = packages | set(CROSS_CUTTING_TESTS[suite])
+        for folder in sorted((root / "tests" / suite).iterdir()):
+            if not folder.is_dir() or folder.name.startswith((".", "__")):
+                continue
+            if folder.name not in allowed:
+                bad.append(
+                    f"tests/{suite}/{folder.name}: test folders: {folder.name!r} is no package "
+                    "(events, states, traces or a unit of RUNTIME_ORDER) and no cross-cutting "
+                    f"suite of tests/{suite}; move each test to the folder of the package it "
+                    "tests"
+                )
+    return bad
 
 
 def import_graph(modules: dict[str, Module]) -> dict[str, dict[str, str]]:

@@ -22,6 +22,14 @@ moves the circular load to the first call, and neither module can be read or rep
 without the other. An edge goes to the module a statement names (``from pkg import mod``
 names ``pkg.mod``; ``from pkg.mod import name`` names ``pkg.mod``); the package
 ``__init__`` that Python runs before a submodule is not an edge of its own.
+
+The tests mirror the packages: each folder of ``tests/unit`` and ``tests/integration`` is
+named for the package whose behaviour its tests assert (``events``, ``states``, ``traces``
+or a unit of `RUNTIME_ORDER`), so the tests of a package are found in one place and a
+package without a folder is seen to have none. The only other folders are the cross-cutting
+suites of `CROSS_CUTTING_TESTS` (tests/integration's ``multinode``, ``perf`` and
+``real_model``), which exercise many packages together. Modules at the root of a suite test
+no package (this checker; the wheel's packaging; bench/'s scale plan).
 """
 
 from __future__ import annotations
@@ -33,8 +41,11 @@ from pathlib import Path
 import pytest
 
 from tests.support.layers import (
+    CROSS_CUTTING_TESTS,
     GROUND,
     RUNTIME_ORDER,
+    TEST_SUITES,
+    folder_violations,
     layer_violations,
     read_modules,
     runtime_units,
@@ -178,3 +189,46 @@ def test_the_checker_fails_on_a_planted_violation(tmp_path, plant):
     expected = plant.expected.format(at=at)
     assert any(line.startswith(expected) for line in found), (expected, found)
     assert all(plant.file in line for line in found), found
+
+
+def test_test_folders_mirror_the_packages():
+    assert folder_violations(ROOT) == []
+
+
+def test_the_folder_checker_reads_every_suite():
+    """Not a vacuous pass: both suites are found, each with folders named for packages."""
+    for suite in TEST_SUITES:
+        folders = {p.name for p in (ROOT / "tests" / suite).iterdir() if p.is_dir()}
+        assert folders & {"data", "policy"}, suite
+        assert set(CROSS_CUTTING_TESTS[suite]) <= folders, suite
+
+
+FOLDER_PLANTS = {
+    "a folder named for no package": "tests/unit/helpers",
+    "a folder named for a file of a package": "tests/integration/loop",
+    "a cross-cutting suite of the other suite": "tests/unit/multinode",
+    "the runtime package as a whole": "tests/unit/runtime",
+}
+
+
+def _copy_suites(tmp_path: Path) -> Path:
+    for suite in TEST_SUITES:
+        shutil.copytree(
+            ROOT / "tests" / suite,
+            tmp_path / "tests" / suite,
+            ignore=shutil.ignore_patterns("*.pyc", "__pycache__"),
+        )
+    return tmp_path
+
+
+@pytest.mark.parametrize("folder", FOLDER_PLANTS.values(), ids=FOLDER_PLANTS.keys())
+def test_the_folder_checker_fails_on_a_planted_folder(tmp_path, folder):
+    """A folder of tests, planted in a copy of both suites, fails the checker with one line
+    that names it; the copy is otherwise clean."""
+    root = _copy_suites(tmp_path)
+    planted = root / folder
+    planted.mkdir()
+    (planted / "__init__.py").write_text("")
+    (planted / "test_planted.py").write_text("def test_planted():\n    pass\n")
+    found = folder_violations(root)
+    assert len(found) == 1 and found[0].startswith(f"{folder}: test folders: "), found

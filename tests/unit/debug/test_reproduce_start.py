@@ -1,6 +1,6 @@
 """Where `samples` and `reproduce` start, and what `reproduce` reports, on written logs.
 
-The real runs are in tests/integration/cli/test_debug_commands.py; here the lineage cases a
+The real runs are in tests/integration/debug/test_debug_commands.py; here the lineage cases a
 single run does not have (a resume that rolled steps back) and the report's wording.
 """
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from sft_runtime.states.machine import mermaid
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_starts_with_the_two_commands():
