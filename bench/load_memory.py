@@ -99,7 +99,7 @@ def load(config: Any, name: str) -> dict[str, Any]:
     worker's peak RSS once its loaders are ready: the whole start a run pays before step 1."""
     from sft_runtime.runtime.config import loader_spec
     from sft_runtime.runtime.data.factory import build_colocated_loader
-    from sft_runtime.runtime.policy.group import PolicyWorkerGroup
+    from sft_runtime.runtime.workers.group import PolicyWorkerGroup
 
     start = time.perf_counter()
     group = PolicyWorkerGroup(config.policy, config.cluster, seed=0, name=name)

@@ -196,7 +196,7 @@ class _Group:
         import ray
         from ray import cloudpickle
 
-        from sft_runtime.runtime.policy.group import PolicyWorkerGroup
+        from sft_runtime.runtime.workers.group import PolicyWorkerGroup
         from sft_runtime.runtime.policy.loss import NLLLossFn
 
         self.ray = ray
