@@ -196,8 +196,8 @@ class _Group:
         import ray
         from ray import cloudpickle
 
-        from sft_runtime.runtime.workers.group import PolicyWorkerGroup
         from sft_runtime.runtime.policy.loss import NLLLossFn
+        from sft_runtime.runtime.workers.group import PolicyWorkerGroup
 
         self.ray = ray
         self.started = not ray.is_initialized()
