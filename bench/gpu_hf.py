@@ -12,8 +12,8 @@ so it does no loading).
 Printed per side: tokens/s (every token of a row, padding included, as MFU counts them), MFU
 (model FLOPs including attention over the device's peak bf16 FLOPs), peak GPU memory, and the
 ratio sft-runtime / plain. Targets: ratio >= 0.97, MFU >= 35% on an H100/H200-class GPU.
-``--smoke`` runs the same code on CPU (gloo) with a tiny model: it proves the script, not the
-figures.
+``--smoke`` runs the same code on CPU (gloo) with a tiny model on one rank: it proves the script,
+not the figures.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if not __package__:  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(ROOT))
 
-from bench.harness import WARMUP, committed, master_config  # noqa: E402
+from bench.harness import SMOKE_THREADS_ENV, WARMUP, committed, master_config  # noqa: E402
 
 LLAMA_1B = {  # Llama-3.2-1B's shape with a 32k vocabulary: 1.1B parameters
     "hidden_size": 2048,
@@ -213,13 +213,17 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo)")
     args = parser.parse_args()
+    if args.smoke:  # one torch thread in each process, ranks and Ray's workers (harness says why)
+        os.environ.update(SMOKE_THREADS_ENV)
     import torch
 
     if not args.smoke and not torch.cuda.is_available():
         print("gpu_hf: SKIP - no CUDA GPU visible to torch")
         return
     if args.gpus is None:
-        args.gpus = 2 if args.smoke else torch.cuda.device_count()
+        # smoke: one rank a side; FSDP2 and the script's code are the same at any count, and
+        # bench/load_memory.py trains a sharded run on two workers end to end
+        args.gpus = 1 if args.smoke else torch.cuda.device_count()
     if args.smoke:  # the steps timed are those after WARMUP: two are enough to prove it
         args.seq = min(args.seq, 256)
         args.steps = min(args.steps, WARMUP + 2)

@@ -39,6 +39,12 @@ SMOKE = os.environ.get(SMOKE_ENV) == "1"
 # once more per `sft-runtime train` a benchmark launches).
 SHARED_RAY_ENV = "SFT_BENCH_SHARED_RAY"
 SHARED_RAY_PID_ENV = "SFT_BENCH_SHARED_RAY_PID"
+# Smoke mode only: one OpenMP thread (torch's intra-op pool) in every process of the run
+# (`run_all.py --smoke` sets these for its children, and Ray's workers inherit them). Two
+# benchmarks share the cores then, and a team of two threads spin-waits for a core another
+# process holds: a step of a tiny model took seconds instead of tens of milliseconds on 2
+# cores. Full runs keep each process's own setting.
+SMOKE_THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def pick(full, smoke):

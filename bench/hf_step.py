@@ -70,7 +70,11 @@ LLAMA = h.pick(
 SHAPE = {**h.COMPUTE, "packing": False}  # the plain HF forward takes one sample per row
 # Two forwards that differ only in how they mask padding differ by float rounding at most.
 LOSS_TOLERANCE = 1e-4
-BUSY_ROUNDS = h.pick(2, 1)
+# Full: BUSY_ROUNDS plain runs beside a busy core, each between quiet ones. Smoke: the first
+# plain run goes beside the busy core and stands for the quiet ones too: one `plain_run` and
+# one busy loop run the code of both (smoke figures mean nothing).
+BUSY_ROUNDS = h.pick(2, 0)
+BUSY_FIRST = h.pick(False, True)
 # Full: each runtime run, and each run beside a busy core, is judged against plain runs of
 # its own just before and just after it, since the machine drifts. Smoke: the first plain
 # run stands for all of those (each is a process of its own, and smoke figures mean nothing).
@@ -137,7 +141,11 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
         plain_losses.append(out["losses"])
         return h.step_time(out["times"])
 
-    first = plain()
+    def busy_plain() -> float:
+        with other_core_busy(model):
+            return plain()
+
+    first = busy_plain() if BUSY_FIRST else plain()
 
     def reference() -> float:
         """The step time of a quiet plain run: a new one, or the first (`FRESH_REFERENCES`)."""
@@ -193,11 +201,12 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
         )
     contention = []  # the plain loop beside a busy core, against its quiet runs either side
     for _ in range(BUSY_ROUNDS):
-        with other_core_busy(model):
-            t_busy = plain()
+        t_busy = busy_plain()
         after = reference()
         contention.append(t_busy / ((before + after) / 2))
         before = after
+    if BUSY_FIRST:  # the busy run against the quiet runs it stands for: itself
+        contention.append(first / first)
     ratio, t_ref, t_sub = statistics.median(ratios), statistics.median(ref), statistics.median(sub)
     turns_ratio = statistics.median(turns)
     inline_ratio, t_inline = statistics.median(inline_ratios), statistics.median(inline)

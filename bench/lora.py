@@ -1,13 +1,14 @@
 """LoRA against a full fine-tune of the same ~300M Llama on the same batches (DP=1, CPU).
 
-Each mode trains in a child process of its own, through the code every policy worker runs
-(`runtime.policy.replica.Replica`, without Ray, so nothing but the training counts in its
-memory): the model read from a hub-like folder, ``STEPS`` optimizer steps on the same
-synthetic batches, then the checkpoint files a worker writes (weights, optimizer state, and
-for LoRA its ``lora.json``). Printed side by side: the median step time, the child's peak
-RSS, the optimizer state's bytes, the checkpoint's bytes and the loss after the last step.
-Targets: LoRA's optimizer state <= 5% of the full fine-tune's, its step time <= the full
-fine-tune's; its checkpoint's share of a full checkpoint's bytes is printed (< 5% asked).
+Each mode trains in a child process of its own (smoke: both in one), through the code every
+policy worker runs (`runtime.policy.replica.Replica`, without Ray, so nothing but the
+training counts in its memory): the model read from a hub-like folder, ``STEPS`` optimizer
+steps on the same synthetic batches, then the checkpoint files a worker writes (weights,
+optimizer state, and for LoRA its ``lora.json``). Printed side by side: the median step
+time, the child's peak RSS, the optimizer state's bytes, the checkpoint's bytes and the loss
+after the last step. Targets: LoRA's optimizer state <= 5% of the full fine-tune's, its step
+time <= the full fine-tune's; its checkpoint's share of a full checkpoint's bytes is printed
+(< 5% asked).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ STEPS = h.pick(30, 3)
 ROWS, SEQ = h.pick((2, 128), (2, 32))
 LORA = {"enabled": True, "dim": 16, "alpha": 32, "match_all_linear": True}
 LR = 2e-4
+# torch threads of a mode's child: every core (smoke: one; `h.SMOKE_THREADS_ENV` says why)
+THREADS = h.pick(max(1, os.cpu_count() or 1), 1)
+# Full: each mode in a fresh process, so that its peak RSS is its own. Smoke: one process
+# trains both modes in turn, each through its own `train_child` (smoke figures mean nothing).
+ONE_CHILD = h.pick(False, True)
+MARK = "lora-mode: "  # a child's result line
 OPT_TARGET = 0.05
 CKPT_TARGET = 0.05
 
@@ -79,7 +86,7 @@ def train_child(folder: str, mode: str, out: str) -> dict[str, Any]:
     from sft_runtime.runtime.policy.replica import Replica
     from tests.support import sources
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(THREADS)
     policy = PolicyConfig.model_validate(
         {
             "model_name": folder,
@@ -123,15 +130,18 @@ def train_child(folder: str, mode: str, out: str) -> dict[str, Any]:
     }
 
 
-def _child(folder: Path, mode: str, scratch: Path) -> dict[str, Any]:
-    out = scratch / mode
+def _child(folder: Path, modes: list[str], scratch: Path) -> list[dict[str, Any]]:
+    """Each mode trained in turn by one child process; their results."""
+    argv = [arg for mode in modes for arg in (str(folder), mode, str(scratch / mode))]
     done = subprocess.run(
-        [sys.executable, __file__, "--child", str(folder), mode, str(out)],
+        [sys.executable, __file__, "--child", *argv],
         stdout=subprocess.PIPE,
         text=True,
         check=True,
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return [
+        json.loads(line[len(MARK) :]) for line in done.stdout.splitlines() if line.startswith(MARK)
+    ]
 
 
 def _row(name: str, value: float, unit: str, **kw: Any) -> dict:
@@ -142,8 +152,11 @@ def run() -> list[dict]:
     scratch = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     try:
         params = build_folder(scratch / "model")
-        full = _child(scratch / "model", "full", scratch)
-        lora = _child(scratch / "model", "lora", scratch)
+        if ONE_CHILD:
+            full, lora = _child(scratch / "model", ["full", "lora"], scratch)
+        else:
+            (full,) = _child(scratch / "model", ["full"], scratch)
+            (lora,) = _child(scratch / "model", ["lora"], scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     opt = lora["optimizer_bytes"] / full["optimizer_bytes"]
@@ -204,7 +217,9 @@ def run() -> list[dict]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        print(json.dumps(train_child(*sys.argv[2:5])))
+        jobs = sys.argv[2:]
+        for i in range(0, len(jobs), 3):
+            print(MARK + json.dumps(train_child(*jobs[i : i + 3])), flush=True)
         sys.exit(0)
     from bench.table import render
 

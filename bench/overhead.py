@@ -29,7 +29,7 @@ from bench.cpu_share import CpuSampler  # noqa: E402
 from bench.plain_loop import plain_run, pretokenize  # noqa: E402
 from bench.timeline import plain_phases, worker_phases  # noqa: E402
 
-# DP workers (smoke: one; DP=2 runs in prefetch.py, resume.py and load_memory.py)
+# DP workers (smoke: one; a run on two workers trains in load_memory.py)
 WORLD = h.pick(2, 1)
 STEPS = h.LONG_STEPS
 ROUNDS = h.pick(5, 1)

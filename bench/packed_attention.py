@@ -3,10 +3,10 @@
 One packed row of 8 equal samples through a tiny Llama, forward and backward, at growing T.
 "segments" is the runtime's path (`runtime/policy/packed_attention.py`); "dense" is the path
 it replaced: transformers' SDPA given the additive (1, 1, T, T) mask of `packed_attention_mask`.
-Each (path, T) runs in a fresh process, so its peak RSS (less the process's RSS just before
-the first forward) is the memory that path needed; time per row is the median of the timed
-repeats after one warm-up. FlexAttention is not a side: torch 2.13 has no FlexAttention
-backward on CPU (NotImplementedError), so it cannot train here.
+Each (path, T) runs in a fresh process (smoke: both paths in one), so its peak RSS (less the
+process's RSS just before the first forward) is the memory that path needed; time per row is
+the median of the timed repeats after one warm-up. FlexAttention is not a side: torch 2.13
+has no FlexAttention backward on CPU (NotImplementedError), so it cannot train here.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ from bench.harness import SMOKE, pick  # noqa: E402
 from bench.table import Row, render  # noqa: E402
 
 SAMPLES = 8
-LENGTHS = pick([2_048, 4_096, 8_192, 16_384], [256, 512])
+# smoke: one length; every length runs the same code, and the growth row then reads 1
+LENGTHS = pick([2_048, 4_096, 8_192, 16_384], [256])
 REPEATS = pick(3, 1)
+# Full: each (path, T) in a fresh process, so that its peak is its own. Smoke: one process
+# measures both paths in turn, each through its own `_measure` (smoke figures mean nothing).
+ONE_CHILD = pick(False, True)
 VOCAB = 97
 MEMORY_TARGET = 5.0  # segments' peak at 16k / at 4k: at most linear growth (4x) plus slack
 MARK = "packed-attention: "
@@ -82,17 +86,19 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _in_child(path: str, t: int, folder: str) -> dict | None:
+def _in_child(jobs: list[tuple[str, int]], folder: str) -> list[dict | None]:
+    """Each (path, T) measured in turn by one fresh process; None for each where it did not
+    end well (out of memory, most likely: the row says so)."""
     done = subprocess.run(
-        [sys.executable, __file__, "--one", path, str(t), folder],
+        [sys.executable, __file__, "--one", folder, *(a for p, t in jobs for a in (p, str(t)))],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "TQDM_DISABLE": "1"},
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
-    if done.returncode or not lines:  # out of memory, most likely: the row says so
-        return None
-    return json.loads(lines[-1][len(MARK) :])
+    if done.returncode or len(lines) != len(jobs):
+        return [None] * len(jobs)
+    return [json.loads(line[len(MARK) :]) for line in lines]
 
 
 def _pair(name: str, t: int, new: float, old: float | None, unit: str) -> dict:
@@ -118,8 +124,11 @@ def run() -> list[dict]:
         build_model(tmp, family="llama", vocab_size=VOCAB, max_positions=max(LENGTHS))
         seg_peaks = {}
         for t in LENGTHS:
-            new = _in_child("segments", t, tmp)
-            old = _in_child("dense", t, tmp)  # None: it ran out of memory
+            if ONE_CHILD:
+                new, old = _in_child([("segments", t), ("dense", t)], tmp)
+            else:
+                (new,) = _in_child([("segments", t)], tmp)
+                (old,) = _in_child([("dense", t)], tmp)  # None: it ran out of memory
             if new is None:
                 raise RuntimeError(f"the segments path failed at T={t}")
             seg_peaks[t] = new["peak_mb"]
@@ -145,7 +154,9 @@ def run() -> list[dict]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--one"]:
-        result = _measure(sys.argv[2], int(sys.argv[3]), sys.argv[4])
-        print(MARK + json.dumps(result), flush=True)
+        folder, jobs = sys.argv[2], sys.argv[3:]
+        for i in range(0, len(jobs), 2):
+            result = _measure(jobs[i], int(jobs[i + 1]), folder)
+            print(MARK + json.dumps(result), flush=True)
     else:
         print(render(run()))

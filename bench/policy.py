@@ -42,7 +42,10 @@ if not __package__:  # run as a script (the baseline ranks too): make `bench`, `
 
 from bench.harness import pick  # noqa: E402
 
-WORLD, ROWS, SEQ_LEN, VOCAB, MICRO = 2, 8, 128, 256, 4
+# processes a side (smoke: one; the group's calls take the same code at any size, and
+# bench/load_memory.py trains a run on two workers end to end)
+WORLD = pick(2, 1)
+ROWS, SEQ_LEN, VOCAB, MICRO = 8, 128, 256, 4
 WARMUP, ROUNDS, STEPS, SEED = 3, pick(5, 1), pick(8, 3), 11
 TARGET = 1.10
 

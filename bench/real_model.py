@@ -18,7 +18,8 @@ loop's (its step time on the same tokens), its tokens/s >= 1.0x TRL's in every m
 one is missed, rows say where the time went (getting the batch, forward/backward, the
 optimizer step) and how many positions the forward passes ran over for each real one.
 
-Smoke mode runs the same code on a tiny Qwen2 model built here (no download), 3 steps.
+Smoke mode runs the same code on a tiny Qwen2 model built here (no download), 3 steps, every
+side in one child process.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ MODES: dict[str, dict[str, Any]] = {
 SIDES = ("plain", "runtime", "trl")
 STEP_TARGET = 1.05  # sft-runtime's time per supervised token over the plain loop's
 TRL_TARGET = 1.0  # sft-runtime's tokens/s over TRL's
+# torch threads of a side: the machine's cores (smoke: one; `h.SMOKE_THREADS_ENV` says why)
+THREADS = h.pick(h.usable_cores(), 1)
+MARK = "real-model-side: "  # a child's result line (TRL prints its logs to stdout too)
+# Full: each side's run in a fresh process, so that its peak RSS and its imports are its own.
+# Smoke: one process runs every side of every mode in turn; each still goes through its own
+# `run_side`, and only the process around them is shared (smoke figures mean nothing).
+RUNS_PER_CHILD = h.pick(1, len(MODES) * h.ROUNDS * len(SIDES))
 
 
 def _model(scratch: Path) -> tuple[Path, str | None]:
@@ -87,15 +95,21 @@ def _data(scratch: Path, model: Path, count: int) -> tuple[Path, Path]:
     return chats, scratch / "data"
 
 
-def _child(side: str, setup_file: Path, work: Path) -> dict[str, Any]:
-    work.mkdir(parents=True, exist_ok=True)
+def _child(jobs: list[tuple[str, Path, Path]]) -> list[dict[str, Any]]:
+    """Each (side, setup file, work folder) run in turn by one child process; their results."""
+    argv = []
+    for side, setup_file, work in jobs:
+        work.mkdir(parents=True, exist_ok=True)
+        argv += [side, str(setup_file), str(work)]
     done = subprocess.run(
-        [sys.executable, __file__, "--child", side, str(setup_file), str(work)],
+        [sys.executable, __file__, "--child", *argv],
         stdout=subprocess.PIPE,
         text=True,
         check=True,
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return [
+        json.loads(line[len(MARK) :]) for line in done.stdout.splitlines() if line.startswith(MARK)
+    ]
 
 
 def _median(results: list[dict[str, Any]], key: str) -> float:
@@ -188,6 +202,7 @@ def run() -> list[dict]:
         model, template = _model(scratch)
         most_rows = max(m["rows"] for m in MODES.values())
         chats, data = _data(scratch, model, count=most_rows * STEPS * 2)
+        jobs = []  # (mode, round, side, setup file, work folder), in the order they run
         for mode, shape in MODES.items():
             setup = Setup(
                 model_dir=str(model),
@@ -197,17 +212,24 @@ def run() -> list[dict]:
                 steps=STEPS,
                 warmup=WARMUP,
                 seq=SEQ,
-                threads=h.usable_cores(),
+                threads=THREADS,
                 **shape,
             )
             setup_file = scratch / f"{mode}.json"
             setup_file.write_text(json.dumps(asdict(setup)))
-            runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
             for round_ in range(h.ROUNDS):
                 for side in SIDES:
                     work = scratch / "work" / f"{mode}-{side}-{round_}"
-                    runs[side].append(_child(side, setup_file, work))
-                    shutil.rmtree(work, ignore_errors=True)
+                    jobs.append((mode, round_, side, setup_file, work))
+        results = {}
+        for start in range(0, len(jobs), RUNS_PER_CHILD):
+            chunk = jobs[start : start + RUNS_PER_CHILD]
+            got = _child([(side, setup_file, work) for _, _, side, setup_file, work in chunk])
+            for (mode, round_, side, _, work), result in zip(chunk, got, strict=True):
+                results[mode, round_, side] = result
+                shutil.rmtree(work, ignore_errors=True)
+        for mode in MODES:
+            runs = {side: [results[mode, r, side] for r in range(h.ROUNDS)] for side in SIDES}
             rows += _mode_rows(mode, runs)
             trainable = runs["runtime"][0]["trainable"]
             rows.append(Row(name=f"{mode}: trainable parameters", value=trainable / 1e6, unit="M"))
@@ -218,6 +240,8 @@ def run() -> list[dict]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        print(json.dumps(run_side(*sys.argv[2:5])))
+        jobs = sys.argv[2:]
+        for i in range(0, len(jobs), 3):
+            print(MARK + json.dumps(run_side(*jobs[i : i + 3])), flush=True)
         sys.exit(0)
     h.main(run, __doc__)

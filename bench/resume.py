@@ -45,6 +45,9 @@ def run() -> list[dict]:
 
 
 SAVED = h.SAVE_PERIOD  # the step resumed from (full: 10)
+# DP workers of the runs (smoke: one; a resume takes the same code at any count, and
+# bench/load_memory.py trains on two workers end to end)
+WORLD = h.pick(2, 1)
 END = SAVED + 2  # both runs end here (full: 12)
 # Full: a run of its own leaves the checkpoint every warm run resumes from. Smoke: the cold
 # run does, ending at SAVED (its first step comes as soon), which spares a run.
@@ -57,14 +60,14 @@ def resume_bench(data: Path, tmp: Path) -> tuple[list[float], list[float], dict]
 
     prepared = tmp / "resume-base"
     if not COLD_RUN_PREPARES:
-        base_raw = h.raw_config(h.COMPUTE, data, prepared, SAVED)
+        base_raw = h.raw_config(h.COMPUTE, data, prepared, SAVED, WORLD)
         h.runtime_run(base_raw)  # leaves a checkpoint at step 10
     cold, warm, rss = [], [], {}
     for i in range(h.ROUNDS):
         cold_dir = tmp / f"cold-{i}"
         cfg = tmp / f"cold-{i}.yaml"
         end = SAVED if COLD_RUN_PREPARES else END
-        cfg.write_text(yaml.safe_dump(h.raw_config(h.COMPUTE, data, cold_dir, end)))
+        cfg.write_text(yaml.safe_dump(h.raw_config(h.COMPUTE, data, cold_dir, end, WORLD)))
         out = cli_runs.cli_run(cfg, cold_dir)
         cold.append(out["first_step_s"])
         rss = out["rss"]
@@ -73,7 +76,7 @@ def resume_bench(data: Path, tmp: Path) -> tuple[list[float], list[float], dict]
         warm_dir = tmp / f"warm-{i}"
         shutil.copytree(prepared, warm_dir)
         cfg = tmp / f"warm-{i}.yaml"
-        cfg.write_text(yaml.safe_dump(h.raw_config(h.COMPUTE, data, warm_dir, END)))
+        cfg.write_text(yaml.safe_dump(h.raw_config(h.COMPUTE, data, warm_dir, END, WORLD)))
         warm.append(cli_runs.cli_run(cfg, warm_dir)["first_step_s"])
     return cold, warm, rss
 

@@ -10,9 +10,10 @@ round (`bench.harness.SMOKE`, set for the children through the environment), to 
 each still runs and prints its rows; its figures mean nothing, so bench/RESULTS.md is left
 alone, and it saves the machine's time where only figures would suffer: it starts one Ray
 here that the benchmarks and the `sft-runtime train` runs they launch join
-(`bench.harness.shared_ray`; a Ray start is seconds of CPU, and there would be a dozen), and
-runs two benchmarks at a time. Either way the exit status is 1 when a benchmark failed or
-gave no rows.
+(`bench.harness.shared_ray`; a Ray start is seconds of CPU, and there would be a dozen),
+runs two benchmarks at a time, and gives every process one torch thread
+(`bench.harness.SMOKE_THREADS_ENV`). Either way the exit status is 1 when a benchmark failed
+or gave no rows.
 """
 
 from __future__ import annotations
@@ -61,10 +62,10 @@ SMOKE_LANES = 2
 
 
 def main(smoke: bool = False) -> int:
-    if smoke:
-        os.environ[harness.SMOKE_ENV] = "1"  # read by bench.harness in each child
     smoke = smoke or harness.SMOKE
     if smoke:
+        os.environ[harness.SMOKE_ENV] = "1"  # read by bench.harness in each child
+        os.environ.update(harness.SMOKE_THREADS_ENV)  # one torch thread a process
         with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp, harness.shared_ray(Path(tmp)):
             _, failed = run_each(SMOKE_LANES)
     else:

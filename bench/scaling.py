@@ -21,7 +21,7 @@ if not __package__:  # run as a script: make `bench` importable
 from bench import harness as h  # noqa: E402
 from bench.plain_loop import plain_run, pretokenize  # noqa: E402
 
-WORLDS = h.pick((1, 2, 4), (1,))  # DP sizes (smoke: DP=2 runs in overhead.py and prefetch.py)
+WORLDS = h.pick((1, 2, 4), (1,))  # DP sizes (smoke: a run on two workers is load_memory.py's)
 ROUNDS = h.pick(3, 1)  # pairs per size
 STEPS = h.LONG_STEPS  # steps per run
 
