@@ -159,6 +159,10 @@ class Attempt:
     config_digest: str | None = None
     config_changes: dict[str, list[Any]] = field(default_factory=dict)
     optimizer_restored: bool | None = None
+    # from its placement_changed: it trained on another number of workers than the run it
+    # resumed ((old, new) data-parallel workers), and the data shards each of them loaded
+    workers_changed: tuple[int, int] | None = None
+    shard_map: list[list[int]] = field(default_factory=list)
 
     @property
     def outcome(self) -> str:
@@ -190,6 +194,9 @@ def history(log: LogLike) -> History:
             att.config_digest = data.get("config_digest")
             att.config_changes = dict(data.get("config_changes") or {})
             att.optimizer_restored = data.get("optimizer_restored")
+        elif rec.type == "placement_changed":
+            att.workers_changed = (data["old_world_size"], data["new_world_size"])
+            att.shard_map = data["shard_map"]
         elif rec.type == "step_committed":
             att.steps += 1
             att.first_step = data["step"] if att.first_step is None else att.first_step

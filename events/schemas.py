@@ -82,6 +82,19 @@ class LoadersReady(EventPayload):
     seconds: float = 0.0
 
 
+class PlacementChanged(EventPayload):
+    """A resume trains on another number of data-parallel workers than the checkpoint's run:
+    the same data shards (each with its own sample stream), dealt anew."""
+
+    event_type: ClassVar[str] = "placement_changed"
+    resumed_from_step: int = Field(ge=1)
+    old_world_size: int = Field(ge=1)
+    new_world_size: int = Field(ge=1)
+    shards: int = Field(ge=1)
+    # the shards each worker loads, in rank order
+    shard_map: list[list[int]]
+
+
 class StepCommitted(EventPayload):
     """An optimizer step finished on every worker and every owner committed its batch."""
 
@@ -167,6 +180,7 @@ EVENT_TYPES: dict[str, type[EventPayload]] = {
     for cls in (
         RunStarted,
         LoadersReady,
+        PlacementChanged,
         StepCommitted,
         StepAborted,
         CheckpointSaved,

@@ -178,6 +178,7 @@ class MasterConfig(BaseModel):
             dynamic = policy.dynamic_batching.model_copy(update={"train_mb_tokens": tokens})
             self.policy = policy = policy.model_copy(update={"dynamic_batching": dynamic})
         world = self.cluster.world_size  # every worker is one data-parallel rank
+        check_shards(data.elastic.shards, world, policy)
         try:
             check_batch_layout(policy, world)
         except UserInputError as exc:
@@ -276,6 +277,25 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
         if found is not None:
             return found
     return None
+
+
+def check_shards(shards: int | None, world: int, policy: PolicyConfig) -> None:
+    """``data.elastic.shards`` splits over the workers, and each shard's rows of a step make
+    whole micro-batches (so none mixes two shards, on any number of workers)."""
+    if shards is None:
+        return
+    if shards % world:
+        raise ValueError(
+            f"data.elastic.shards={shards}: the {world} data-parallel workers "
+            "(cluster.num_nodes x cluster.workers_per_node) must divide it"
+        )
+    per_shard, rest = divmod(policy.train_global_batch_size, shards)
+    if rest or per_shard % policy.train_micro_batch_size:
+        raise ValueError(
+            f"policy.train_global_batch_size={policy.train_global_batch_size} must be a "
+            f"multiple of data.elastic.shards={shards} x "
+            f"policy.train_micro_batch_size={policy.train_micro_batch_size}"
+        )
 
 
 def loader_spec(config: MasterConfig, logical_world_size: int) -> LoaderSpec:

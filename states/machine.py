@@ -48,6 +48,8 @@ STATES = list(ControllerState)
 
 TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "start", "source": "setup", "dest": None, "before": "record"},
+    # a resume on another number of workers: recorded after run_started, the state unchanged
+    {"trigger": "placement_changed", "source": "setup", "dest": None, "before": "record"},
     {"trigger": "loaders_ready", "source": "setup", "dest": "loading", "before": "record"},
     {
         "trigger": "halt",
@@ -111,6 +113,7 @@ class ControllerModel:
     if TYPE_CHECKING:  # trigger methods that `Machine` binds at runtime
 
         def start(self, *, event: EventPayload) -> bool: ...
+        def placement_changed(self, *, event: EventPayload) -> bool: ...
         def loaders_ready(self, *, event: EventPayload) -> bool: ...
         def halt(self) -> bool: ...
         def batch_loaded(self) -> bool: ...

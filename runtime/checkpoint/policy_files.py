@@ -24,6 +24,7 @@ does its share of the disk work in the process whose core the next step needs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -166,6 +167,20 @@ def capture_rng(num_threads: int) -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def derived_seed(seed: int, step: int, rank: int) -> int:
+    """A seed for ``rank``'s RNGs after step ``step`` of a run seeded ``seed``: what a resume
+    on another number of workers starts them from (no saved state maps to a new rank)."""
+    digest = hashlib.sha256(f"sft-rng:{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def seed_rng(seed: int) -> None:
+    """Seed python's, numpy's and torch's RNGs (every device's) with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def restore_rng(

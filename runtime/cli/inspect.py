@@ -15,6 +15,7 @@ from pathlib import Path
 from sft_runtime.events import compare_reexecutions, history, read_log, records_in_effect
 from sft_runtime.events.log import log_path
 from sft_runtime.events.schemas import as_float
+from sft_runtime.events.shards import check_shards
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.launch.run_dirs import require_run_dir
 
@@ -130,6 +131,12 @@ def cmd_events(args: argparse.Namespace) -> int:
                 )
             elif rec.type == "run_stopped":
                 extra = rec.data["reason"]
+            elif rec.type == "placement_changed":
+                data = rec.data
+                extra = (
+                    f"workers {data['old_world_size']} -> {data['new_world_size']}, "
+                    f"shards per worker {data['shard_map']}"
+                )
             print(
                 f"{rec.seq:>8} {_when(rec.time)} a{rec.attempt} {rec.type:<17}{step!s:>8} {extra}"
             )
@@ -144,6 +151,13 @@ def config_notes(att) -> list[str]:
     """What an attempt's run_started says it changed: config keys that decide a step (the
     steps it ran are not expected to match the checkpoint's run) and a fresh optimizer."""
     notes = []
+    if att.workers_changed is not None:
+        old, new = att.workers_changed
+        notes.append(
+            f"attempt {att.number} resumed from step {att.resumed_from_step} on {new} "
+            f"data-parallel worker(s) (was {old}): the same data shards, dealt "
+            f"{att.shard_map}"
+        )
     if att.config_changes:
         shown = "; ".join(
             f"{key}: {json.dumps(old)} -> {json.dumps(new)}"
@@ -212,6 +226,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         problems = report.problems
     for problem in problems:
         print(f"CHECKPOINT: {problem}", file=sys.stderr)
+    shards = check_shards(reader)
+    for line in shards.lines():
+        print(line)
+    for problem in shards.problems:
+        print(f"SHARDS: {problem}", file=sys.stderr)
     for att in history(reader).attempts:  # steps of other configs are not compared
         for line in config_notes(att):
             print(line)
@@ -223,4 +242,4 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"first divergence: {found[0].describe()}", file=sys.stderr)
     else:
         print(f"re-executed steps compared: {compared}, divergent: 0")
-    return 1 if problems or found else 0
+    return 1 if problems or shards.problems or found else 0

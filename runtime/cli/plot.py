@@ -43,6 +43,7 @@ class AttemptSeries:
     checkpoints: list[int] = field(default_factory=list)
     val_steps: list[int] = field(default_factory=list)  # validation passes, after these steps
     val_loss: list[float] = field(default_factory=list)
+    workers: int | None = None  # set when it trained on another number than the run before
 
     @property
     def start(self) -> int:
@@ -81,6 +82,8 @@ def collect(records: Iterable[Record]) -> list[AttemptSeries]:
             att.aborts.append(data["step"])
         elif rec.type == "checkpoint_saved":
             att.checkpoints.append(data["step"])
+        elif rec.type == "placement_changed":
+            att.workers = data["new_world_size"]
     return [attempts[n] for n in sorted(attempts)]
 
 
@@ -184,6 +187,9 @@ def _draw_attempt(ax: Any, att: AttemptSeries, values: list[float], colour: str)
         )
     # the attempt's start: a resume point, or step 0 of a fresh run
     ax.axvline(att.start + 0.5, color=colour, linestyle="-.", linewidth=1.0, alpha=0.8)
+    if att.workers is not None:  # a resume on another number of workers: say how many
+        top = ax.get_xaxis_transform()
+        ax.text(att.start + 0.5, 0.97, f" W={att.workers}", transform=top, va="top", fontsize=8)
 
 
 def _draw_marks(ax: Any, series: list[AttemptSeries]) -> None:

@@ -25,12 +25,13 @@ from typing import Any
 
 from opentelemetry import trace
 
-from sft_runtime.events import open_log
+from sft_runtime.events import PlacementChanged, open_log
 from sft_runtime.runtime.config import MasterConfig, step_rules
 from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.resume.config_change import config_record
+from sft_runtime.runtime.resume.placement_change import workers_change
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, fold
 from sft_runtime.traces.context import inject_carrier, span_ids
 
@@ -77,8 +78,20 @@ def open_attempt(
         config_changes=record.changes,
         optimizer_restored=record.optimizer_restored,
     )
+    plan = args.placement_plan
+    change = workers_change(config, record.changes or {}) if state.total_steps else None
     try:
         model.start(event=event)
+        if change is not None:
+            model.placement_changed(
+                event=PlacementChanged(
+                    resumed_from_step=state.total_steps,
+                    old_world_size=change.old_world_size,
+                    new_world_size=change.new_world_size,
+                    shards=plan.logical_world_size,
+                    shard_map=plan.shard_map,
+                )
+            )
     except BaseException:  # the backends' runs end here, not at the process's exit
         quietly("close the metrics logger", lambda: metrics.close("failed"))
         raise

@@ -12,7 +12,6 @@ import math
 import threading
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,7 +31,7 @@ from sft_runtime.runtime.controller.attempt import (
 )
 from sft_runtime.runtime.controller.pipeline import Pipeline
 from sft_runtime.runtime.controller.validation import Validator
-from sft_runtime.runtime.data.factory import build_colocated_loader
+from sft_runtime.runtime.data.factory import loader_factory, owned_states
 from sft_runtime.runtime.errors import DiskFullError, DivergedError, quietly
 from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.metrics.step_metrics import (
@@ -200,21 +199,17 @@ class SFTController:
     def _setup_loaders(self) -> None:
         cfg, plan = self.config, self.plan
         spec = loader_spec(cfg, plan.logical_world_size)
-        owners = [copy.owner_rank for copy in plan.copies]
+        owners = plan.owner_ranks
         if owners != self.group.owner_ranks:
             raise RuntimeError(
                 f"placement plan owners {owners} != workers {self.group.owner_ranks}"
             )
-        hash_ = plan.placement_hash
-        factories = [
-            partial(build_colocated_loader, spec, c.logical_rank, c.logical_world_size, hash_)
-            for c in plan.copies
-        ]
+        factories = [loader_factory(spec, plan, owner) for owner in owners]
         t0 = time.perf_counter()
         self.group.setup_telemetry(
             cfg.telemetry, str(self.run_dir), self._attempt, carrier=inject_carrier()
         )
-        restored = self.args.loader_states
+        restored = owned_states(plan, self.args.loader_states)
         depth = cfg.data_plane.max_partitions  # batches an owner may hold: >= 2 prefetches
         self.group.setup_loaders(
             factories,
@@ -334,7 +329,7 @@ class SFTController:
         the workers), the machine moves to ``stepping``."""
         if outs and self._trace is not None:  # a step sent ahead began when a worker took it
             self._trace.began(min(o.started_ns for o in outs))
-        envelopes = [outs[rank].envelope for rank in self.group.owner_ranks]
+        envelopes = [s for rank in self.group.owner_ranks for s in outs[rank].envelope.per_shard()]
         check_envelopes(envelopes, self.plan.logical_world_size)
         self._fault_after(StepPhase.loading, step)
         self._machine.batch_loaded()
@@ -392,7 +387,7 @@ class SFTController:
         `dump_loader_state`): the calls a save `sent` ahead of its writes, or sent now."""
         if sent is None:
             sent = self._owner_call(self.pipeline.send_loader_states)
-        return self.group.wait(sent)
+        return [blob for owner in self.group.wait(sent) for blob in owner]  # one per shard
 
     def _save_checkpoint(self) -> None:
         """Write the checkpoint of the save state; the workers go on to the next step (sent

@@ -186,6 +186,12 @@ class StepEnvelope:
     extra: dict = field(default_factory=dict)
     overlong_samples: int = 0  # cut or dropped at data.max_input_seq_length
     skipped_samples: int = 0  # refused by the chat template, skipped (data.skip_bad_samples)
+    # a worker that loads several data shards (data.elastic.shards): each shard's own
+    shards: tuple[StepEnvelope, ...] = ()
+
+    def per_shard(self) -> tuple[StepEnvelope, ...]:
+        """The envelope of each shard this one covers, in shard order (itself for one)."""
+        return self.shards or (self,)
 
 
 class BatchSource(Protocol):

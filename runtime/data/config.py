@@ -82,6 +82,18 @@ class EnergonConfig(_Section):
         return data
 
 
+class ElasticConfig(_Section):
+    """How the data is cut for a resume on another number of workers (runtime/data/shards.py).
+
+    ``shards`` (G) is fixed when the run starts: G energon loaders, each the stream that rank
+    v of G would read, and each step takes the same rows from every shard whatever the number
+    of data-parallel workers W that trains them (W must divide G). Left out, G is the run's
+    data-parallel size at its start, which is exactly the stream of a run without the key.
+    """
+
+    shards: int | None = Field(None, ge=1)
+
+
 def check_processing(where: str, processor: Any, prompt_file: Any, system_prompt_file: Any) -> None:
     """The rules of NeMo RL's processing keys under `where` (``data.train``, ``data.default``):
     ``processor`` is only NeMo RL's SFT one; ``prompt_file`` must read as a prompt
@@ -221,6 +233,7 @@ class DataConfig(_Section):
     num_workers: int = Field(1, ge=0)  # NeMo RL's: the loader's worker processes
     train: TrainDataConfig
     energon: EnergonConfig = Field(default_factory=EnergonConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
     validation: ValidationDataConfig | None = None
     # NeMo RL's rule by default: cut to the limit and weighted zero (counted, reported)
     overlong_samples: OverlongPolicy = "mask"

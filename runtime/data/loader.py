@@ -105,6 +105,11 @@ class ColocatedLoader:
 
     # -- identity ---------------------------------------------------------------------------
 
+    @property
+    def pad_id(self) -> int:
+        """The token that pads this loader's rows (a shard group pads to its widest shard)."""
+        return self._tokenizer.pad_id
+
     def fingerprint(self) -> dict:
         """Everything that must match for a saved state to mean the same sample stream."""
         if self._fingerprint is None:

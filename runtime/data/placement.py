@@ -4,8 +4,13 @@ A sharding layout is an ordered mapping of axis name -> size; global ranks are r
 that order. Only ``data_parallel`` splits the data: every rank of one DP lane (same DP
 coordinate, any tensor/pipeline/context coordinates) trains on the same batch, so the lane gets
 one loader copy, owned by the lane's rank at coordinate 0 on every replicated axis and delivered
-to all ranks of the lane. The plan's hash goes into checkpoints and loader fingerprints: a
-resume under a different layout is detected instead of silently reshuffling data.
+to all ranks of the lane.
+
+With ``shards`` G (``data.elastic.shards``) the data is cut into G logical ranks, whatever the
+DP size W: lane w owns the contiguous block of G/W shards from w*G/W. The plan's hash is the
+hash of the layout with G lanes, so it names the data's cut, not the workers: it is today's
+hash when G = W, and the same for every W that divides G. It goes into checkpoints and loader
+fingerprints: a resume under a different cut is detected instead of silently reshuffling data.
 """
 
 from __future__ import annotations
@@ -43,6 +48,20 @@ class DataLoaderPlacementPlan:
     def logical_world_size(self) -> int:
         return len(self.copies)
 
+    @property
+    def owner_ranks(self) -> list[int]:
+        """The ranks that own loaders, once each, in shard order."""
+        return list(dict.fromkeys(c.owner_rank for c in self.copies))
+
+    def shards_of(self, owner_rank: int) -> list[int]:
+        """The logical ranks (shards) ``owner_rank`` loads, in order."""
+        return [c.logical_rank for c in self.copies if c.owner_rank == owner_rank]
+
+    @property
+    def shard_map(self) -> list[list[int]]:
+        """The shards of each owner, in owner order (what `placement_changed` records)."""
+        return [self.shards_of(owner) for owner in self.owner_ranks]
+
     def copy_for_logical_rank(self, logical_rank: int) -> LoaderCopy:
         if not 0 <= logical_rank < len(self.copies):
             raise ValueError(f"logical rank {logical_rank} out of range [0, {len(self.copies)})")
@@ -67,10 +86,35 @@ def _validate(sharding: Mapping[str, int], mapper: str) -> dict[str, int]:
 
 
 def build_placement_plan(
-    sharding: Mapping[str, int], mapper: str = "default"
+    sharding: Mapping[str, int], mapper: str = "default", shards: int | None = None
 ) -> DataLoaderPlacementPlan:
-    """One loader copy per DP lane of the row-major layout `sharding` (see module docstring)."""
+    """One loader copy per shard (default: per DP lane) of the row-major layout `sharding`,
+    each owned by its lane (see module docstring). ValueError when the DP size does not
+    divide ``shards``."""
     layout = _validate(sharding, mapper)
+    lanes = _lane_plan(layout, mapper)
+    workers = layout[DATA_PARALLEL]
+    if shards is None or shards == workers:
+        return lanes
+    if shards < 1 or shards % workers:
+        raise ValueError(
+            f"{workers} data-parallel workers do not divide data.elastic.shards={shards}"
+        )
+    per_lane = shards // workers
+    logical = _lane_plan({**layout, DATA_PARALLEL: shards}, mapper)
+    copies = tuple(
+        LoaderCopy(
+            logical_rank=shard,
+            logical_world_size=shards,
+            owner_rank=lanes.copies[shard // per_lane].owner_rank,
+            delivery_ranks=lanes.copies[shard // per_lane].delivery_ranks,
+        )
+        for shard in range(shards)
+    )
+    return DataLoaderPlacementPlan(copies=copies, placement_hash=logical.placement_hash)
+
+
+def _lane_plan(layout: dict[str, int], mapper: str) -> DataLoaderPlacementPlan:
     axes = list(layout)
     sizes = [layout[a] for a in axes]
     dp_index = axes.index(DATA_PARALLEL)

@@ -25,6 +25,7 @@ from sft_runtime.runtime.errors import RunFailure, UserInputError, quietly
 from sft_runtime.runtime.launch.run_lock import holding_run
 from sft_runtime.runtime.launch.setup import setup_sft_v2
 from sft_runtime.runtime.process.faults import actor_fault_options, fault_point
+from sft_runtime.runtime.resume.placement_change import with_shards
 from sft_runtime.runtime.workers.actor_exit import kill_and_wait
 from sft_runtime.traces.context import inject_carrier
 from sft_runtime.traces.setup import setup_telemetry
@@ -164,6 +165,8 @@ def _result(ref: Any) -> dict[str, Any]:
 
 def _drive(config, tokenizer, on_step, on_stop_request) -> dict[str, Any]:
     args = setup_sft_v2(config, tokenizer)
+    # the data shards it resolved (fixed at the run's start) go into every checkpoint's config
+    config = with_shards(config, args.placement_plan.logical_world_size)
     controller = None
     try:
         fault_point("driver:after_setup")

@@ -32,6 +32,7 @@ from sft_runtime.runtime.policy.config import ClusterConfig
 from sft_runtime.runtime.process.liveness import driver_alive, driver_identity
 from sft_runtime.runtime.process.niceness import embedded_ray_env
 from sft_runtime.runtime.resume.config_change import resume_config, resume_notes
+from sft_runtime.runtime.resume.placement_change import run_shards, with_shards, workers_change
 from sft_runtime.states import SFTV2SaveState, initial_save_state
 from sft_runtime.traces.spans import SETUP_SPANS, traced
 
@@ -195,6 +196,7 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
     with traced(SETUP_SPANS["resume"]) as span:  # log replay and checkpoint checks
         resume = find_resume_point(run_dir, CheckpointDir(checkpoint_root(config)))
         span.set_attribute("sft.resume.step", resume.step or 0)
+        config = with_shards(config, run_shards(config, resume))  # fixed at the run's start
         if resume.step:
             check_weights_layout(resume.policy_dir / "weights", config.policy.dtensor_cfg.enabled)
             if config.policy.is_hf:
@@ -217,6 +219,8 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
             "rng_path": str(policy / "rng"),
             # a thread count the user allowed to change (the RNG itself does not depend on it)
             "allow_thread_change": "cluster.num_threads_per_worker" in record.changes,
+            # another number of workers: no saved RNG state is any rank's (worker_state.py)
+            "reseed_rng": workers_change(config, record.changes) is not None,
         }
     # placement group, worker actors, their process group and, on resume, the checkpoint load
     with traced(SETUP_SPANS["workers"], attributes={"sft.restore": restore is not None}):
@@ -228,7 +232,9 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
             raise UserInputError(str(exc)) from None
     try:
         plan = build_placement_plan(
-            group.sharding_annotations(), config.data.energon.topology_mapper
+            group.sharding_annotations(),
+            config.data.energon.topology_mapper,
+            shards=config.data.elastic.shards,
         )
         n = plan.logical_world_size
         if config.policy.train_global_batch_size % n:

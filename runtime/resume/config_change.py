@@ -33,6 +33,7 @@ from sft_runtime.runtime.resume.config_keys import (
     KEY_KINDS,
     MISSING,
     OPTIMIZER,
+    PLACEMENT,
     SHAPE,
     Kind,
     computation_keys,
@@ -40,6 +41,7 @@ from sft_runtime.runtime.resume.config_keys import (
     flatten,
 )
 from sft_runtime.runtime.resume.input_identity import input_identities
+from sft_runtime.runtime.resume.placement_change import check_placement
 
 ALLOW_FLAG = "--allow-config-change"
 ALLOW_KEY = "checkpointing.allow_config_change"
@@ -110,6 +112,7 @@ def check_resume_config(
             f"config the checkpoint was trained with; pass {ALLOW_FLAG} to resume anyway"
         )
     old_flat = flatten(saved, config_leaves())
+    check_placement(checkpoint, old_flat, new_flat)
     old_ids = _saved_identities(checkpoint, old_flat)
     changes = config_changes(old_flat, old_ids, new_flat, new_ids)
     shape = [c for c in changes if c.kind == SHAPE]
@@ -120,7 +123,10 @@ def check_resume_config(
             f"{ALLOW_FLAG} says: resume with the checkpoint's values, or export it "
             "(`sft-runtime export`) and start a new run directory from the export"
         )
-    needs_flag = [c for c in changes if not (diverged and c.kind == OPTIMIZER)]
+    # the workers may change within the shards (checked above); the samples stay the same
+    needs_flag = [
+        c for c in changes if c.kind != PLACEMENT and not (diverged and c.kind == OPTIMIZER)
+    ]
     if needs_flag and not allow:
         after = (
             " (after the divergence only the optimizer's, the schedule's and "

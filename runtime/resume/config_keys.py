@@ -11,6 +11,10 @@ checkpoint was trained with. Each leaf key of `MasterConfig` is one of:
 - ``optimizer``: the optimizer's and schedule's hyper-parameters and the clipping norm; a
   ``compute`` key, except that after a step diverged (a non-finite loss) the same command
   with a smaller learning rate resumes without ``--allow-config-change``.
+- ``placement``: how many data-parallel workers train the run, and the data shards they
+  split (``data.elastic.shards``, fixed at the run's start): the workers may change to any
+  number that divides the shards, the shards never (runtime/resume/placement_change.py).
+  The same samples train each step; only the gradient sums' order changes.
 - ``free``: when a run stops, saves and logs, where it runs and how long it waits; and keys
   that cannot reach a step on resume (``lora.lora_A_init`` only seeds fresh adapters,
   ``data.skip_bad_samples`` and ``sft.skip_nonfinite_steps`` only change a step that would
@@ -27,10 +31,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-Kind = Literal["shape", "compute", "optimizer", "free"]
+Kind = Literal["shape", "compute", "optimizer", "placement", "free"]
 SHAPE: Kind = "shape"
 COMPUTE: Kind = "compute"
 OPTIMIZER: Kind = "optimizer"
+PLACEMENT: Kind = "placement"
 FREE: Kind = "free"
 
 
@@ -105,11 +110,10 @@ KEY_KINDS: dict[str, Kind] = {
         "sft.val_global_batch_size",
         "sft.val_micro_batch_size",
         "sft.only_unmask_final",
-        "cluster.num_nodes",
-        "cluster.workers_per_node",
         "cluster.gpus_per_node",
         "cluster.num_threads_per_worker",
     ),
+    **_all(PLACEMENT, "cluster.num_nodes", "cluster.workers_per_node", "data.elastic.shards"),
     **_all(
         OPTIMIZER,
         "policy.max_grad_norm",

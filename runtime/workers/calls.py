@@ -37,6 +37,7 @@ class CheckpointLoad(_CheckpointWeights, total=False):
     optimizer_path: str | None
     rng_path: str | None
     allow_thread_change: bool
+    reseed_rng: bool
 
 
 @dataclass
@@ -230,6 +231,7 @@ class WorkerCalls:
         optimizer_path: str | None = None,
         rng_path: str | None = None,
         allow_thread_change: bool = False,
+        reseed_rng: bool = False,
     ) -> list[CheckpointLoaded]:
         return self._run(
             "load_checkpoint",
@@ -237,6 +239,7 @@ class WorkerCalls:
             optimizer_path,
             rng_path=rng_path,
             allow_thread_change=allow_thread_change,
+            reseed_rng=reseed_rng,
         )
 
     def get_weights(self, *, ranks: Ranks = "all", include_frozen: bool = False) -> list[dict]:

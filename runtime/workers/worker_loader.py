@@ -29,7 +29,7 @@ class LoaderOwner:
     def setup_sft_dataloader(
         self,
         factory: Callable[[], BatchSource],
-        restored_state: dict | bytes | None = None,
+        restored_state: dict | bytes | list | None = None,
         prefetch_depth: int = 1,
         *,
         load_during_allreduce: bool = False,
@@ -40,7 +40,8 @@ class LoaderOwner:
         ``prefetch_depth`` >= 2 (``data_plane.max_partitions``) wraps it in a
         `PrefetchingLoader` that reads up to that many batches ahead in a background thread;
         otherwise ``load_during_allreduce`` wraps it in one that reads the next batch while
-        the step's gradients are all-reduced (`finish_train_step`).
+        the step's gradients are all-reduced (`finish_train_step`). A loader of several
+        data shards (`ShardGroupLoader`) restores from a list, one state per shard.
         """
         if self._loader is not None:
             raise RuntimeError(f"rank {self.rank}: the SFT dataloader is already set up")
@@ -54,7 +55,10 @@ class LoaderOwner:
             loader = factory()
         from sft_runtime.runtime.checkpoint.loader_states import load_loader_state
 
-        loader.setup(load_loader_state(restored_state))
+        if isinstance(restored_state, list):
+            loader.setup([load_loader_state(state) for state in restored_state])
+        else:
+            loader.setup(load_loader_state(restored_state))
         self._loader = loader
         self._reads_ahead_in_finish = prefetch_depth <= 1 and load_during_allreduce
 
@@ -74,17 +78,19 @@ class LoaderOwner:
 
     def sft_dataloader_state_bytes(
         self, commit_first: bool = False, *, _otel_carrier: dict | None = None
-    ) -> bytes:
-        """The state, pickled here: the controller writes it without unpickling it. With
+    ) -> list[bytes]:
+        """The state of each shard this rank loads, pickled here: the controller writes
+        them without unpickling them. With
         ``commit_first`` the last step's batch is committed first (a checkpoint needs both,
         and one call saves a hand-over while the worker waits), if (and only if) that step
         finished here, as a start's ``commit_previous``: a save sent before its step was
         recorded fails instead when the step did not finish."""
         from sft_runtime.runtime.checkpoint.loader_states import dump_loader_state
+        from sft_runtime.runtime.data.shards import shard_states
 
         if commit_first:
             self._commit_finished_batch(_otel_carrier)
-        return dump_loader_state(self._require_loader().state_dict())
+        return [dump_loader_state(s) for s in shard_states(self._require_loader().state_dict())]
 
     def close_sft_dataloader(self, *, _otel_carrier: dict | None = None) -> None:
         loader, self._loader = self._loader, None

@@ -201,16 +201,22 @@ class WorkerState:
         *,
         rng_path: str | None = None,
         allow_thread_change: bool = False,
+        reseed_rng: bool = False,
         _otel_carrier: dict | None = None,
     ) -> CheckpointLoaded:
         """Restore weights, optionally optimizer + schedule, and this rank's RNG state
-        (``allow_thread_change``: the user allowed another thread count than the saved one)."""
+        (``allow_thread_change``: the user allowed another thread count than the saved one).
+        With ``reseed_rng`` (a resume on another number of workers, whose saved states
+        belong to no rank of this run) the RNGs are seeded from the run's seed, the
+        checkpoint's step and this rank instead (`ckpt.derived_seed`)."""
         if self.replica.step_open:
             raise RuntimeError(f"rank {self.rank}: cannot load while a train step is open")
         self.writes.wait_copied()  # a checkpoint being written still reads the old values
         rng_dir = rng_path or _default_rng_dir(weights_path)
         rng_file = os.path.join(rng_dir, ckpt.rng_file(self.rank))
-        rng_state = ckpt.load_torch(rng_file, "RNG state") if os.path.isdir(rng_dir) else None
+        rng_state = None
+        if os.path.isdir(rng_dir) and not reseed_rng:
+            rng_state = ckpt.load_torch(rng_file, "RNG state")
         if rng_state is not None:
             ckpt.restore_rng(
                 rng_state, self.num_threads, rng_file, allow_change=allow_thread_change
@@ -230,6 +236,8 @@ class WorkerState:
             if optimizer_path is not None:
                 path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
                 self.replica.load_optimizer_state(ckpt.load_torch(path, "optimizer state"))
+        if reseed_rng:
+            ckpt.seed_rng(ckpt.derived_seed(self.replica.seed, self.replica.steps_done, self.rank))
         return CheckpointLoaded(self.rank, self.replica.steps_done, rng_state is not None)
 
     # ----------------------------------------------------------------- inspection

@@ -43,7 +43,7 @@ class StubGroup(WorkerCalls):
             finished = StepFinished(2.0, 1.0, 0.1, 18, 9, [], 0.01, 0.0, 0.0, step=1)
             return StepTrained(started, finished)
         if method == "sft_dataloader_state_bytes":
-            return f"state of rank {rank}".encode()
+            return [f"state of rank {rank}".encode()]
         return None
 
     def _error(self, method: str, args: tuple) -> Exception | None:

@@ -29,6 +29,7 @@ from sft_runtime.runtime.resume.config_keys import (
     IDENTITY_KEYS,
     KEY_KINDS,
     OPTIMIZER,
+    PLACEMENT,
     SHAPE,
     config_leaves,
 )
@@ -48,7 +49,7 @@ def test_every_key_of_the_config_is_classified_once():
     stale = sorted(set(KEY_KINDS) - set(leaves))
     assert stale == [], "the table names keys the config no longer has"
     assert set(IDENTITY_KEYS) <= set(KEY_KINDS)
-    assert set(KEY_KINDS.values()) == {SHAPE, COMPUTE, OPTIMIZER, FREE}
+    assert set(KEY_KINDS.values()) == {SHAPE, COMPUTE, OPTIMIZER, PLACEMENT, FREE}
 
 
 @pytest.mark.parametrize(
