@@ -137,3 +137,51 @@ def test_a_resume_that_cannot_keep_the_samples_is_refused_before_ray(
     assert rc == 2, out
     assert named in out, out
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "hf"])
+def test_the_same_samples_with_fsdp_and_with_a_hugging_face_model(
+    request, demo_data, tmp_path, capsys, kind
+):
+    """FSDP2's weights and optimizer resharded by DCP from 2 ranks to 1 and back; the tiny
+    Llama packed (rows of two shards share a rank's micro-batches)."""
+    from tests.support.fixtures import HF_STEPS, hf_overrides
+    from tests.support.reliability import FSDP, STEPS
+
+    if kind == "fsdp":
+        reference, overrides, steps, first = (
+            request.getfixturevalue("fsdp_reference"),
+            FSDP,
+            STEPS,
+            3,
+        )
+    else:
+        folder = request.getfixturevalue("tiny_llama")
+        reference = request.getfixturevalue("hf_reference")
+        overrides, steps, first = hf_overrides(folder), HF_STEPS, 2
+    last = steps - 1  # one worker trains first+1..last and saves there; two the rest
+    run_dir = rewind_copy(reference, tmp_path / "run", first)
+    rc, out = train(
+        run_dir,
+        demo_data,
+        capsys,
+        *overrides,
+        ONE_WORKER,
+        f"sft.max_num_steps={last}",
+        f"checkpointing.save_period={last - first}",
+    )
+    assert rc == 0, out
+    rc, out = train(run_dir, demo_data, capsys, *overrides, f"sft.max_num_steps={steps}")
+    assert rc == 0, out
+    assert f"resumed from step {last}" in out
+    got, ref = committed(run_dir), reference.committed
+    assert sorted(got) == sorted(ref) == list(range(1, steps + 1))
+    for step in ref:
+        assert got[step][1] == ref[step][1], step
+        assert math.isclose(got[step][0], ref[step][0], rel_tol=LOSS_RTOL), step
+    deviation = max(abs(got[s][0] / ref[s][0] - 1) for s in ref)
+    print(f"{kind}: largest relative loss deviation {deviation:.1e}")
+    changes = _placement_changes(run_dir)
+    assert [(c["old_world_size"], c["new_world_size"]) for c in changes] == [(2, 1), (1, 2)]
+    rc, vout = verify(run_dir)
+    assert rc == 0, vout

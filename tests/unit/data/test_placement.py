@@ -60,3 +60,20 @@ def test_hash_is_stable_and_sensitive():
 def test_bad_layouts_are_rejected(layout, mapper, match):
     with pytest.raises(ValueError, match=match):
         build_placement_plan(layout, mapper=mapper)
+
+
+def test_shards_are_dealt_in_contiguous_blocks_and_hashed_by_the_cut_not_the_workers():
+    same = build_placement_plan({"data_parallel": 4})
+    assert build_placement_plan({"data_parallel": 4}, shards=4) == same  # G = W: today's plan
+    plans = {w: build_placement_plan({"data_parallel": w}, shards=4) for w in (1, 2, 4)}
+    assert {p.placement_hash for p in plans.values()} == {same.placement_hash}
+    assert plans[1].shard_map == [[0, 1, 2, 3]]
+    assert plans[2].shard_map == [[0, 1], [2, 3]]
+    assert plans[4].shard_map == [[0], [1], [2], [3]]
+    assert plans[2].owner_ranks == [0, 1]
+    assert [c.logical_world_size for c in plans[2].copies] == [4] * 4
+    assert build_placement_plan({"data_parallel": 2}, shards=2).placement_hash != (
+        same.placement_hash
+    )
+    with pytest.raises(ValueError, match=r"3 data-parallel workers do not divide .*shards=4"):
+        build_placement_plan({"data_parallel": 3}, shards=4)
