@@ -41,6 +41,7 @@ from bench.table import render  # noqa: E402
 BENCHMARKS = [
     "events",
     "loader",
+    "elastic",
     "policy",
     "tracing",
     "overhead",

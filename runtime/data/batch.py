@@ -197,7 +197,9 @@ class StepEnvelope:
 class BatchSource(Protocol):
     """The colocated loader as the worker sees it (one per logical DP rank)."""
 
-    def setup(self, restored_state: dict | None = None) -> None: ...
+    def setup(self, restored_state: Any = None) -> None:
+        """Build, continuing from a saved state: a dict for one shard, a list (one per
+        shard) for a `ShardGroupLoader`."""
 
     def load(self) -> StepEnvelope: ...
 
