@@ -106,7 +106,7 @@ class PrefetchingLoader:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def setup(self, restored_state: dict | None = None) -> None:
+    def setup(self, restored_state: Any = None) -> None:
         if self._set_up:
             raise RuntimeError("setup() was already called on this loader")
         with ENERGON_LOCK:
