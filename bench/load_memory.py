@@ -29,6 +29,7 @@ if not __package__:  # run as a script: make `bench` and `tests` importable
 from bench import cli_runs  # noqa: E402
 from bench import harness as h  # noqa: E402
 from bench.table import Row  # noqa: E402
+from tests.support import worker_probes  # noqa: E402
 
 # the Llama: full ~294M parameters (hidden 1024, 16 layers, 32k vocabulary, untied head)
 SHAPE = h.pick(
@@ -113,8 +114,8 @@ def load(config: Any, name: str) -> dict[str, Any]:
         group.setup_loaders(
             [partial(build_colocated_loader, spec, r, world, placement) for r in range(world)]
         )
-        peak = max(group.peak_rss_bytes())
-        storage = group.local_storage()
+        peak = max(worker_probes.peak_rss_bytes(group))
+        storage = worker_probes.local_storage(group)
     finally:
         group.shutdown()
     return {"seconds": seconds, "peak": peak, "storage": storage}

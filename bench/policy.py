@@ -41,6 +41,7 @@ if not __package__:  # run as a script (the baseline ranks too): make `bench`, `
     sys.path.insert(0, str(ROOT))
 
 from bench.harness import pick  # noqa: E402
+from tests.support import worker_probes  # noqa: E402
 
 # processes a side (smoke: one; the group's calls take the same code at any size, and
 # bench/load_memory.py trains a run on two workers end to end)
@@ -267,7 +268,7 @@ class _Group:
 
     def close(self) -> list[int]:
         try:
-            return self.group.peak_rss_bytes()
+            return worker_probes.peak_rss_bytes(self.group)
         finally:
             self.group.shutdown()
             if self.started:

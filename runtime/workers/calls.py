@@ -183,9 +183,6 @@ class WorkerCalls:
     def abort_batches(self, *, carrier: dict | None = None) -> None:
         self._run("abort_sft_batch", ranks="owners", _otel_carrier=carrier)
 
-    def loader_states(self) -> list[dict]:
-        return self._run("sft_dataloader_state_dict", ranks="owners")
-
     def send_loader_state_bytes(
         self, commit_first: bool = False, *, carrier: dict | None = None
     ) -> Pending:
@@ -242,12 +239,6 @@ class WorkerCalls:
             reseed_rng=reseed_rng,
         )
 
-    def get_weights(self, *, ranks: Ranks = "all", include_frozen: bool = False) -> list[dict]:
-        return self._run("get_weights", ranks=ranks, include_frozen=include_frozen)
-
-    def get_optimizer_state(self, *, ranks: Ranks = "all") -> list[dict]:
-        return self._run("get_optimizer_state", ranks=ranks)
-
     # ------------------------------------------------------------ process
     def setup_telemetry(
         self, config: Any, run_dir: str, attempt: int | None, *, carrier: dict | None = None
@@ -265,12 +256,11 @@ class WorkerCalls:
     def node_ids(self) -> list[str]:
         return self._run("node_id")
 
-    def local_storage(self) -> list[dict[str, int]]:
-        return self._run("local_storage")
-
     def validate(self, spec: Any, *, carrier: dict | None = None) -> list[ValidationResult]:
         """Every rank's share of a validation pass (`PolicyWorker.validate`)."""
         return self._run("validate", spec, _otel_carrier=carrier)
 
-    def peak_rss_bytes(self) -> list[int]:
-        return self._run("peak_rss_bytes")
+    def probe(self, look: Callable[[Any], Any], *, ranks: Ranks = "all") -> list[Any]:
+        """``look(worker)`` on each of ``ranks`` (tests and benchmarks only:
+        `tests/support/worker_probes.py`)."""
+        return self._run("probe", look, ranks=ranks)

@@ -18,17 +18,17 @@ clip, AdamW). The controller drives a step in one call, `train_sft_step`, which 
 halves: `start_sft_step` (commit the previous batch, load, begin, train) and
 `finish_train_step`. Each half is a call of its own too (the benchmarks and tests drive a
 step in halves), and a start left open is undone by `abort_train_step` + `abort_sft_batch`.
-The loader's calls are in `worker_loader`. Every method accepts ``_otel_carrier`` (a W3C
-carrier dict: the worker's spans join the caller's trace).
+The loader is a `WorkerLoader` of its own (`worker_loader`). Every method accepts
+``_otel_carrier`` (a W3C carrier dict: the worker's spans join the caller's trace).
 """
 
 from __future__ import annotations
 
 import os
 import random
-import resource
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,7 @@ from sft_runtime.runtime.workers.results import (
     StepTrained,
     ValidationResult,
 )
-from sft_runtime.runtime.workers.worker_loader import LoaderOwner
+from sft_runtime.runtime.workers.worker_loader import WorkerLoader
 from sft_runtime.runtime.workers.worker_state import WorkerState
 from sft_runtime.states.step import StepPhase
 from sft_runtime.traces.spans import (
@@ -70,7 +70,7 @@ from sft_runtime.traces.spans import (
 WRITES_GROUP = "checkpoint_writes"  # the actor's concurrency group of `checkpoint_written`
 
 
-class PolicyWorkerBase(LoaderOwner):
+class PolicyWorkerBase:
     """The worker's logic; `PolicyWorker` is its Ray actor class."""
 
     def __init__(
@@ -107,9 +107,7 @@ class PolicyWorkerBase(LoaderOwner):
         self.state = WorkerState(
             self.replica, policy, rank=rank, world_size=world_size, num_threads=self.num_threads
         )
-        self._loader: BatchSource | None = None
-        self._reads_ahead_in_finish = False  # the loader reads its next batch in `finish`
-        self._batch_step: int | None = None  # replica steps done when the active batch loaded
+        self.loader = WorkerLoader(rank, self.replica, self._attrs)
         self._validation: Any = None  # this rank's `ValidationShare`, rendered once
 
     # ----------------------------------------------------------------- distributed
@@ -165,14 +163,10 @@ class PolicyWorkerBase(LoaderOwner):
     def ping(self, *, _otel_carrier: dict | None = None) -> int:
         return self.rank
 
-    def local_storage(self, *, _otel_carrier: dict | None = None) -> dict[str, int]:
-        """Elements of parameters, gradients and optimizer state this rank holds (sharded:
-        its slices) beside the whole model's."""
-        return self.replica.local_storage()
-
-    def peak_rss_bytes(self, *, _otel_carrier: dict | None = None) -> int:
-        """Peak resident memory of this worker process (Linux reports KiB)."""
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    def probe(self, look: Callable[[PolicyWorkerBase], Any], *, _otel_carrier=None) -> Any:
+        """``look(self)``: what a test or a benchmark reads off a worker (its weights, its
+        memory; `tests/support/worker_probes.py`). Never part of a run."""
+        return look(self)
 
     def validate(self, spec: Any, *, _otel_carrier: dict | None = None) -> ValidationResult:
         """This rank's share of a validation pass (`ValidationSpec`) under the current
@@ -203,6 +197,38 @@ class PolicyWorkerBase(LoaderOwner):
             seconds=time.perf_counter() - t0,
         )
 
+    # ----------------------------------------------------------------- loader (`WorkerLoader`)
+    def setup_sft_dataloader(
+        self,
+        factory: Callable[[], BatchSource],
+        restored_state: dict | bytes | list | None = None,
+        prefetch_depth: int = 1,
+        *,
+        load_during_allreduce: bool = False,
+        _otel_carrier: dict | None = None,
+    ) -> None:
+        self.loader.setup(factory, restored_state, prefetch_depth, load_during_allreduce)
+
+    def commit_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
+        self.loader.commit(_otel_carrier)
+
+    def abort_sft_batch(self, *, _otel_carrier: dict | None = None) -> None:
+        self.loader.abort()
+
+    def sft_dataloader_state_bytes(
+        self, commit_first: bool = False, *, _otel_carrier: dict | None = None
+    ) -> list[bytes]:
+        """The state of each shard this rank loads, pickled here: the controller writes
+        them without unpickling them. With ``commit_first`` the last step's batch is
+        committed first (a checkpoint needs both, and one call saves a hand-over while the
+        worker waits), if (and only if) that step finished here, as a start's
+        ``commit_previous``: a save sent before its step was recorded fails instead when the
+        step did not finish."""
+        return self.loader.state_bytes(commit_first, _otel_carrier)
+
+    def close_sft_dataloader(self, *, _otel_carrier: dict | None = None) -> None:
+        self.loader.close()
+
     # ----------------------------------------------------------------- training
     def prepare_for_training(self, *, _otel_carrier: dict | None = None) -> None:
         self.replica.model.train()
@@ -214,7 +240,8 @@ class PolicyWorkerBase(LoaderOwner):
             FINISH_STEP_SPAN, carrier=_otel_carrier, attributes=self._attrs(StepPhase.train)
         ):
             self.state.writes.wait_copied()  # a checkpoint being written still reads the weights
-            return self.replica.finish(self._read_ahead if self._reads_ahead_in_finish else None)
+            read_ahead = self._read_ahead if self.loader.reads_ahead_in_finish else None
+            return self.replica.finish(read_ahead)
 
     def train_sft_step(
         self,
@@ -238,8 +265,8 @@ class PolicyWorkerBase(LoaderOwner):
     def _read_ahead(self) -> None:
         """The next step's batch, read while this step's gradients are all-reduced: the
         one stretch of the step in which this thread only waits for its peers."""
-        loader = self._require_loader()
-        if not isinstance(loader, PrefetchingLoader):  # `_reads_ahead_in_finish` made it one
+        loader = self.loader.require()
+        if not isinstance(loader, PrefetchingLoader):  # `reads_ahead_in_finish` made it one
             raise RuntimeError(f"rank {self.rank}: the loader does not read ahead")
         with traced(READ_AHEAD_SPAN, attributes={"rank": self.rank}):
             loader.fetch_now()
@@ -280,17 +307,16 @@ class PolicyWorkerBase(LoaderOwner):
         before_begin: Exception | None = None
         try:
             if commit_previous:
-                self._commit_finished_batch()
+                self.loader.commit_finished()
             with traced(LOAD_SPAN, attributes=self._attrs(StepPhase.loading)):
-                envelope = self._require_loader().load()
-            self._batch_step = self.replica.steps_done
+                envelope = self.loader.load()
         except Exception as exc:  # noqa: BLE001 - raised after the collective below
             before_begin = exc
 
         def active_batch() -> Any:
             if before_begin is not None:
                 raise before_begin
-            return self._require_loader().active_batch
+            return self.loader.active_batch()
 
         t0 = time.perf_counter()
         try:
@@ -321,24 +347,57 @@ class PolicyWorkerBase(LoaderOwner):
         return self.replica.abort()
 
     # ----------------------------------------------------------------- state (`WorkerState`)
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> CheckpointFiles:
-        return self.state.save_checkpoint(*args, **kwargs)
+    def save_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        tokenizer_path: str | None = None,
+        is_final_checkpoint: bool = False,
+        *,
+        rng_path: str | None = None,
+        _otel_carrier: dict | None = None,
+    ) -> CheckpointFiles:
+        return self.state.save_checkpoint(
+            weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path=rng_path
+        )
 
-    def begin_checkpoint(self, *args: Any, **kwargs: Any) -> CheckpointFiles:
-        return self.state.begin_checkpoint(*args, **kwargs)
+    def begin_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        tokenizer_path: str | None = None,
+        is_final_checkpoint: bool = False,
+        *,
+        rng_path: str | None = None,
+        _otel_carrier: dict | None = None,
+    ) -> CheckpointFiles:
+        return self.state.begin_checkpoint(
+            weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path=rng_path
+        )
 
     @ray.method(concurrency_group=WRITES_GROUP)  # not queued behind the steps
-    def checkpoint_written(self, *args: Any, **kwargs: Any) -> CheckpointFiles:
-        return self.state.checkpoint_written(*args, **kwargs)
+    def checkpoint_written(
+        self, weights_path: str, *, _otel_carrier: dict | None = None
+    ) -> CheckpointFiles:
+        return self.state.checkpoint_written(weights_path)
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> CheckpointLoaded:
-        return self.state.load_checkpoint(*args, **kwargs)
-
-    def get_weights(self, **kwargs: Any) -> dict[str, torch.Tensor]:
-        return self.state.get_weights(**kwargs)
-
-    def get_optimizer_state(self, **kwargs: Any) -> dict[str, Any]:
-        return self.state.get_optimizer_state(**kwargs)
+    def load_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        *,
+        rng_path: str | None = None,
+        allow_thread_change: bool = False,
+        reseed_rng: bool = False,
+        _otel_carrier: dict | None = None,
+    ) -> CheckpointLoaded:
+        return self.state.load_checkpoint(
+            weights_path,
+            optimizer_path,
+            rng_path=rng_path,
+            allow_thread_change=allow_thread_change,
+            reseed_rng=reseed_rng,
+        )
 
 
 def _no_cuda_message(gpus_per_node: int) -> str:

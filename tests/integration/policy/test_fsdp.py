@@ -20,7 +20,7 @@ from sft_runtime.runtime.checkpoint.policy_files import load_weights
 from sft_runtime.runtime.checkpoint.sharded import TRAINER_STATE, is_sharded
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.workers.group import PolicyWorkerError, PolicyWorkerGroup
-from tests.support import sources
+from tests.support import sources, worker_probes
 from tests.support.policy_steps import (
     assert_tree_equal,
     factories,
@@ -49,23 +49,23 @@ def sharded(ray_session, fsdp_policy, cluster_cfg, tmp_path_factory):
         group.setup_loaders(factories(WORLD))
         group.prepare_for_training()
         start_step(group)
-        storage_in_step = group.local_storage()
+        storage_in_step = worker_probes.local_storage(group)
         steps = [group.wait(group.send_finish())]
         group.commit_batches()
-        storage_after = group.local_storage()
+        storage_after = worker_probes.local_storage(group)
         for step in range(2, STEPS + 1):
             steps.append(one_step(group))
             if step == SAVE_AT:
                 group.save_checkpoint(str(ckpt / "weights"), str(ckpt / "optimizer"), None, False)
-                loader_states = group.loader_states()
-                weights_at_save = group.get_weights()[0]
+                loader_states = worker_probes.loader_states(group)
+                weights_at_save = worker_probes.weights(group)[0]
         yield {
             "group": group,
             "steps": steps,
             "ckpt": ckpt,
             "loader_states": loader_states,
             "weights_at_save": weights_at_save,
-            "weights": group.get_weights(),
+            "weights": worker_probes.weights(group),
             "storage": (storage_in_step, storage_after),
         }
     finally:
@@ -124,7 +124,7 @@ def test_resume_from_the_sharded_checkpoint_is_bitwise_exact(
     try:
         group.setup_loaders(factories(WORLD), sharded["loader_states"])
         steps = [one_step(group) for _ in range(STEPS - SAVE_AT)]
-        weights = group.get_weights()[0]
+        weights = worker_probes.weights(group)[0]
     finally:
         group.shutdown()
     assert [s[0].loss for s in steps] == [s[0].loss for s in sharded["steps"][SAVE_AT:]]
@@ -138,7 +138,7 @@ def test_resume_from_the_sharded_checkpoint_is_bitwise_exact(
 
 def test_abort_and_a_failing_loss_leave_the_shards_bitwise_unchanged(sharded):
     group = sharded["group"]
-    before_w, before_o = group.get_weights(), group.get_optimizer_state()
+    before_w, before_o = worker_probes.weights(group), worker_probes.optimizer_state(group)
     envelopes = [o.envelope for o in start_step(group)]
     group.abort_train_step()
     group.abort_batches()
@@ -153,7 +153,7 @@ def test_abort_and_a_failing_loss_leave_the_shards_bitwise_unchanged(sharded):
         group.wait(finish)
     group.abort_train_step()
     group.abort_batches()
-    after_w, after_o = group.get_weights(), group.get_optimizer_state()
+    after_w, after_o = worker_probes.weights(group), worker_probes.optimizer_state(group)
     for b, a in zip(before_w, after_w, strict=True):
         assert sorted(b) == sorted(a) and all(torch.equal(b[k], a[k]) for k in b)
     for b, a in zip(before_o, after_o, strict=True):
@@ -177,7 +177,7 @@ def test_a_replicate_by_shard_mesh_trains_like_the_ground_truth(
     try:
         group.setup_loaders(factories(WORLD))
         steps = [one_step(group) for _ in range(3)]
-        storage = group.local_storage()
+        storage = worker_probes.local_storage(group)
     finally:
         group.shutdown()
     ref_losses, _ = reference_losses(policy_cfg, 3, WORLD)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sft_runtime.runtime.workers.group import PolicyWorkerGroup
+from tests.support import worker_probes
 from tests.support.policy_steps import factories, one_step
 
 STEPS, SAVE_AT, WORLD = 6, 3, 2
@@ -38,11 +39,11 @@ def _train(policy, cluster_cfg, name: str, ckpt=None) -> dict:
             steps.append(one_step(group))
             if ckpt is not None and step == SAVE_AT:
                 group.save_checkpoint(str(ckpt / "weights"), str(ckpt / "optimizer"), None, False)
-                loader_states = group.loader_states()
+                loader_states = worker_probes.loader_states(group)
         return {
             "steps": steps,
-            "storage": group.local_storage(),
-            "weights": group.get_weights()[0],
+            "storage": worker_probes.local_storage(group),
+            "weights": worker_probes.weights(group)[0],
             "loader_states": loader_states,
         }
     finally:
@@ -88,7 +89,7 @@ def test_resume_from_an_offloaded_checkpoint_is_bitwise_exact(runs, policy_cfg, 
     try:
         group.setup_loaders(factories(WORLD), offloaded["loader_states"])
         steps = [one_step(group) for _ in range(STEPS - SAVE_AT)]
-        weights = group.get_weights()[0]
+        weights = worker_probes.weights(group)[0]
     finally:
         group.shutdown()
     assert [(s[0].loss, s[0].grad_norm) for s in steps] == _figures(offloaded)[SAVE_AT:]

@@ -23,6 +23,7 @@ from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.launch.driver import run_training
 from sft_runtime.runtime.policy.hf_model import hf_logits, load_hf_model, load_hf_state_dict
 from sft_runtime.runtime.workers.group import PolicyWorkerGroup
+from tests.support import worker_probes
 from tests.support.fixtures import HF_STEPS, hf_overrides
 from tests.support.reliability import committed
 from tests.support.small_run import small_config
@@ -47,7 +48,7 @@ def test_a_sharded_group_reads_only_its_half_of_the_pretrained_model(
     config = small_config(tmp_path / "run", demo_data, 1, *hf_overrides(tiny_llama), *SHARDED)
     group = PolicyWorkerGroup(config.policy, config.cluster, seed=0, name="test-hf-start")
     try:
-        storage = group.local_storage()
+        storage = worker_probes.local_storage(group)
     finally:
         group.shutdown()
     whole = storage[0]["start_read_full"]

@@ -23,7 +23,7 @@ from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.loss import NLLLossFn
 from sft_runtime.runtime.workers.cluster import PlacementError
 from sft_runtime.runtime.workers.group import PolicyWorkerError, PolicyWorkerGroup
-from tests.support import sources
+from tests.support import sources, worker_probes
 from tests.support.policy_steps import (
     assert_tree_equal,
     factories,
@@ -50,14 +50,14 @@ def straight(ray_session, policy_cfg, cluster_cfg, tmp_path_factory):
                 group.save_checkpoint(
                     str(ckpt_dir / "weights"), str(ckpt_dir / "optimizer"), None, False
                 )
-                loader_states = group.loader_states()
+                loader_states = worker_probes.loader_states(group)
         yield {
             "group": group,
             "steps": steps,
             "ckpt": ckpt_dir,
             "loader_states": loader_states,
-            "weights": group.get_weights(),
-            "optimizer": group.get_optimizer_state(),
+            "weights": worker_probes.weights(group),
+            "optimizer": worker_probes.optimizer_state(group),
         }
     finally:
         group.shutdown()
@@ -80,7 +80,7 @@ def resumed(straight, policy_cfg, cluster_cfg):
     try:
         group.setup_loaders(factories(WORLD), straight["loader_states"])
         steps = [one_step(group) for _ in range(STEPS - SAVE_AT)]
-        yield {"group": group, "steps": steps, "weights": group.get_weights()}
+        yield {"group": group, "steps": steps, "weights": worker_probes.weights(group)}
     finally:
         group.shutdown()
 
@@ -132,11 +132,11 @@ def test_resume_from_step_5_is_bitwise_exact(straight, resumed):
 
 def test_abort_leaves_weights_and_optimizer_bitwise_unchanged(straight):
     group = straight["group"]
-    before_w, before_o = group.get_weights(), group.get_optimizer_state()
+    before_w, before_o = worker_probes.weights(group), worker_probes.optimizer_state(group)
     envelopes = [o.envelope for o in start_step(group)]
     group.abort_train_step()
     group.abort_batches()
-    after_w, after_o = group.get_weights(), group.get_optimizer_state()
+    after_w, after_o = worker_probes.weights(group), worker_probes.optimizer_state(group)
     for b, a in zip(before_w + before_o, after_w + after_o, strict=True):
         assert_tree_equal(b, a)
     # the aborted batch is delivered again and trains normally
@@ -155,7 +155,7 @@ def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight
     previous step did not finish commits nothing.
     """
     group = straight["group"]
-    before_w = group.get_weights()
+    before_w = worker_probes.weights(group)
     started = group.send_start(sources.LossFailingOnRank(1), False)
     finish = group.send_finish()
     with pytest.raises(PolicyWorkerError, match="loss blew up on rank 1") as info:
@@ -169,7 +169,7 @@ def test_start_and_finish_calls_fail_together_and_chain_without_waiting(straight
     assert info.value.phase == "loading" and sorted(info.value.ranks) == [0, 1]
     group.abort_train_step()
     group.abort_batches()
-    for b, a in zip(before_w, group.get_weights(), strict=True):
+    for b, a in zip(before_w, worker_probes.weights(group), strict=True):
         assert_tree_equal(b, a)
     # step, then the next start queued behind its finish (committing its batch): one wait
     envelopes = [o.envelope for o in start_step(group)]
@@ -213,7 +213,7 @@ def test_a_background_checkpoint_holds_its_step_while_the_next_step_trains(strai
             assert_tree_equal(load_file(a), load_file(b))
         else:
             assert_tree_equal(torch.load(a, weights_only=False), torch.load(b, weights_only=False))
-    now = group.get_weights()[0]
+    now = worker_probes.weights(group)[0]
     saved = load_file(background / "weights" / "model.safetensors")
     assert any(not torch.equal(now[k], saved[k]) for k in saved)  # the step did move them
 
