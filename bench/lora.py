@@ -112,9 +112,10 @@ def train_child(folder: str, mode: str, out: str) -> dict[str, Any]:
         v for s in replica.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     ]
     checkpoint = Path(out) / "policy"
-    policy_files.save_weights(str(checkpoint / "weights"), replica.weights())
+    policy_files.save_weights(str(checkpoint / "weights"), replica.files.weights())
     policy_files.save_torch(
-        str(checkpoint / "optimizer" / "optimizer.pt"), replica.optimizer_state()
+        str(checkpoint / "optimizer" / "optimizer.pt"),
+        replica.files.optimizer_state(replica.steps_done),
     )
     if replica.lora_targets is not None:
         record = base_record(folder, weights_digest(folder), replica.lora_targets, LORA)

@@ -41,7 +41,7 @@ from sft_runtime.runtime.policy.config import PolicyConfig
 from sft_runtime.runtime.policy.dynamic_batches import token_budget_micro_batches
 from sft_runtime.runtime.policy.loss import NLLLossFn, read_metrics
 from sft_runtime.runtime.policy.model import build_model, forward_logits
-from sft_runtime.runtime.policy.replica_state import ReplicaState
+from sft_runtime.runtime.policy.replica_files import ReplicaFiles
 from sft_runtime.runtime.policy.schedule import LrSchedule, build_optimizer
 from sft_runtime.runtime.policy.step_outcome import StepFinished, StepUndone
 from sft_runtime.traces.context import TRACER
@@ -61,7 +61,7 @@ class _OpenStep:
     loss_sum: float = 0.0
 
 
-class Replica(ReplicaState):
+class Replica:
     """Model, AdamW and the open step of one DP replica."""
 
     def __init__(self, policy: PolicyConfig, *, seed: int, device: torch.device) -> None:
@@ -101,6 +101,23 @@ class Replica(ReplicaState):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, opt.name, opt.kwargs)
         self.schedule = LrSchedule(opt.lr, self.policy.scheduler)
+        self.files = ReplicaFiles(
+            self.policy,
+            self.model,
+            self.optimizer,
+            lora_targets=self.lora_targets,
+            sharded=self.sharded,
+            start_read=self.start_read,
+        )
+
+    @property
+    def lora(self) -> bool:
+        """A LoRA run: only the adapters train and are saved (`runtime.lora`)."""
+        return self.lora_targets is not None
+
+    @property
+    def is_hf(self) -> bool:
+        return self.policy.is_hf
 
     def shard(self, world_size: int) -> None:
         """FSDP2 over all DP ranks (`runtime.policy.fsdp`); needs the process group, so the

@@ -22,6 +22,7 @@ from sft_runtime.runtime.lora.base import BASE_FILE, base_record, weights_digest
 from sft_runtime.runtime.policy.config import PolicyConfig
 from sft_runtime.runtime.policy.hf_model import write_hf_config
 from sft_runtime.runtime.policy.replica import Replica
+from sft_runtime.runtime.policy.replica_files import load_trainer_state, trainer_state
 from sft_runtime.runtime.workers.background_writes import (
     BackgroundWrites,
     Copies,
@@ -142,22 +143,28 @@ class WorkerState:
             raise RuntimeError(f"rank {self.rank}: cannot save while a train step is open")
         writes: list[Write] = []
         if self.replica.sharded:  # every rank writes its shards; rank 0 the rest
-            writes.append(lambda: self.replica.save_shards(weights_path, optimizer_path))
+            writes.append(lambda: self.replica.files.save_shards(weights_path, optimizer_path))
             if optimizer_path is not None and self.rank == 0:
                 path = os.path.join(optimizer_path, sharded.TRAINER_STATE)
-                state = {**self.replica.trainer_state(), "is_final_checkpoint": is_final_checkpoint}
+                state = {
+                    **trainer_state(self.replica.steps_done),
+                    "is_final_checkpoint": is_final_checkpoint,
+                }
                 writes.append(lambda: [ckpt.save_torch(path, state, fsync=fsync)])
         elif optimizer_path is not None and self.rank == 1 % self.world_size:
             opt_path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
             final = bool(is_final_checkpoint)
             opt = copies.add(
                 "optimizer",
-                lambda: {**self.replica.optimizer_state(), "is_final_checkpoint": final},
+                lambda: {
+                    **self.replica.files.optimizer_state(self.replica.steps_done),
+                    "is_final_checkpoint": final,
+                },
             )
             writes.append(lambda: [ckpt.save_torch(opt_path, opt(), fsync=fsync)])
         if self.rank == 0:
             if not self.replica.sharded:  # a CPU copy either way: never two held at once
-                weights = copies.add("weights", lambda: self.replica.weights(copy=False))
+                weights = copies.add("weights", lambda: self.replica.files.weights(copy=False))
                 writes.append(lambda: ckpt.save_weights(weights_path, weights(), fsync=fsync))
             if self.replica.lora_targets is not None:  # adapters: name the base they need
                 record = self._lora_record()
@@ -187,12 +194,9 @@ class WorkerState:
         if self._base_digest is None:
             self._base_digest = weights_digest(base)
         lora = self.policy.dtensor_cfg.lora_cfg
-        return base_record(
-            base,
-            self._base_digest,
-            self.replica.lora_targets,
-            lora.model_dump(),
-        )
+        targets = self.replica.lora_targets
+        assert targets is not None  # written only for a LoRA run
+        return base_record(base, self._base_digest, targets, lora.model_dump())
 
     def load_checkpoint(
         self,
@@ -222,20 +226,22 @@ class WorkerState:
                 rng_state, self.num_threads, rng_file, allow_change=allow_thread_change
             )
         if self.replica.sharded:
-            self.replica.load_shards(weights_path, optimizer_path)
+            self.replica.files.load_shards(weights_path, optimizer_path)
             if optimizer_path is not None:
                 path = os.path.join(optimizer_path, sharded.TRAINER_STATE)
-                self.replica.load_trainer_state(ckpt.load_torch(path, "trainer state"))
+                trainer = ckpt.load_torch(path, "trainer state")
+                self.replica.steps_done = load_trainer_state(trainer)
         elif sharded.is_sharded(weights_path):
             raise UserInputError(
                 f"{weights_path}: a sharded checkpoint (policy.dtensor_cfg.enabled=true); resume "
                 "with that setting, or export it and start from the export"
             )
         else:
-            self.replica.load_weights(ckpt.load_weights(weights_path))
+            self.replica.files.load_weights(ckpt.load_weights(weights_path))
             if optimizer_path is not None:
                 path = os.path.join(optimizer_path, ckpt.OPTIMIZER_FILE)
-                self.replica.load_optimizer_state(ckpt.load_torch(path, "optimizer state"))
+                state = ckpt.load_torch(path, "optimizer state")
+                self.replica.steps_done = self.replica.files.load_optimizer_state(state)
         if reseed_rng:
             ckpt.seed_rng(ckpt.derived_seed(self.replica.seed, self.replica.steps_done, self.rank))
         return CheckpointLoaded(self.rank, self.replica.steps_done, rng_state is not None)
@@ -246,11 +252,11 @@ class WorkerState:
     ) -> dict[str, torch.Tensor]:
         """A CPU copy of the weights (tests and debugging); with LoRA the adapters, or with
         ``include_frozen`` the frozen base beside them."""
-        return self.replica.weights(include_frozen=include_frozen)
+        return self.replica.files.weights(include_frozen=include_frozen)
 
     def get_optimizer_state(self, *, _otel_carrier: dict | None = None) -> dict[str, Any]:
         """A CPU copy of the optimizer + schedule state (tests and debugging)."""
-        state = self.replica.optimizer_state()
+        state = self.replica.files.optimizer_state(self.replica.steps_done)
         return _to_cpu(state)
 
 

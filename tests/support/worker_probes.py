@@ -46,7 +46,7 @@ def loader_states(group: Any) -> list:
 
 
 def _local_storage(worker: Any) -> dict[str, int]:
-    return worker.replica.local_storage()
+    return worker.replica.files.local_storage()
 
 
 def local_storage(group: Any) -> list[dict[str, int]]:

@@ -38,18 +38,18 @@ def test_training_moves_the_adapters_and_leaves_the_base_bitwise_as_stored(preci
     assert frozen and all(p.dtype == base_dtype for p in frozen.values())
     assert set(trains) == {n for n in trains if is_adapter(n)} and trains
     assert all(p.dtype == torch.float32 for p in trains.values())
-    before = replica.weights()
+    before = replica.files.weights()
     vocab = replica.model.config.vocab_size
     for index in range(3):
         batch = sources.make_batch(0, 0, index, rows=4, seq_len=32, vocab_size=vocab)
         replica.begin(NLLLossFn(), lambda batch=batch: batch)
         replica.train(batch)
         replica.finish()
-    after = replica.weights(include_frozen=True)
+    after = replica.files.weights(include_frozen=True)
     stored = read_all(str(tiny_llama))
     for name in frozen:
         assert torch.equal(after[name], stored[base_name(name)].to(base_dtype)), name
     assert all(not torch.equal(after[n], before[n]) for n in before if "lora_B" in n)
     assert len(replica.optimizer.state) == len(trains)  # moments for the adapters only
-    assert sorted(replica.weights()) == sorted(trains)  # what a checkpoint holds
+    assert sorted(replica.files.weights()) == sorted(trains)  # what a checkpoint holds
     assert weights_digest(tiny_llama) == digest

@@ -199,7 +199,7 @@ def test_a_step_split_by_tokens_has_the_fixed_split_loss_and_repeats_bit_for_bit
         replica = Replica(policy, seed=0, device=torch.device("cpu"))
         replica.begin(None, lambda: batch)
         rows = [m["rows"] for m in replica.train(batch)["micro_batches"]]
-        return replica.finish(), rows, replica.weights()
+        return replica.finish(), rows, replica.files.weights()
 
     fixed, fixed_rows, _ = step(_policy())
     assert fixed_rows == [2.0, 2.0, 2.0]

@@ -65,12 +65,17 @@ def _batch() -> SFTBatch:  # rows of varied length, some packing two samples
 def _one_step(folder: Path, cpu_offload: bool) -> dict:
     replica = Replica(_policy(folder, cpu_offload), seed=0, device=torch.device("cpu"))
     replica.shard(1)
-    storage = replica.local_storage()
-    start = replica.weights()
+    storage = replica.files.local_storage()
+    start = replica.files.weights()
     replica.begin(None, _batch)
     replica.train()
     finished = replica.finish()
-    return {"storage": storage, "start": start, "finished": finished, "end": replica.weights()}
+    return {
+        "storage": storage,
+        "start": start,
+        "finished": finished,
+        "end": replica.files.weights(),
+    }
 
 
 def test_an_offloaded_replica_fills_in_host_memory_and_trains_as_without(folder, gloo_of_one):

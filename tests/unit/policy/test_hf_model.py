@@ -158,11 +158,11 @@ def test_a_bf16_stored_model_trains_in_the_configured_precision(tmp_path, precis
     )
     replica = Replica(policy, seed=0, device=torch.device("cpu"))
     batch = sources.make_batch(0, 0, 0, rows=4, seq_len=16, vocab_size=97)
-    before = replica.weights()
+    before = replica.files.weights()
     replica.begin(None, lambda: batch)
     replica.train(batch)
     out = replica.finish()
-    after = replica.weights()
+    after = replica.files.weights()
     assert out.step == 1 and out.loss > 0 and out.grad_norm > 0
     assert {t.dtype for t in after.values()} == {torch.float32}
     assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -66,7 +66,7 @@ def test_a_trimmed_step_has_the_untrimmed_loss_and_repeats_bit_for_bit(monkeypat
         replica.begin(None, lambda: batch)
         replica.train(batch)
         out = replica.finish()
-        return out.loss, replica.weights()
+        return out.loss, replica.files.weights()
 
     loss, weights = step()
     assert widths == [16, LONGEST]  # rows 0-1 run 16 columns wide, rows 2-3 the full 48

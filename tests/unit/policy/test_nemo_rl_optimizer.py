@@ -118,7 +118,7 @@ def test_a_named_optimizer_and_schedule_train_as_nemo_rls_loop():
     expected, weights = reference_losses(policy, steps, world=1)
     assert losses == pytest.approx(expected, rel=1e-6, abs=0)
     assert rates == pytest.approx([0.5, 0.5, 0.05, 0.05, 0.005], rel=1e-12)
-    mine = replica.weights()
+    mine = replica.files.weights()
     assert all(torch.allclose(mine[k], v, rtol=1e-5, atol=1e-7) for k, v in weights.items())
     adamw, _ = reference_losses(_policy(optimizer={"kwargs": {"lr": 0.5}}), steps, world=1)
     assert adamw[1:] != pytest.approx(expected[1:], rel=1e-3)

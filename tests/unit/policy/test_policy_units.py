@@ -158,19 +158,19 @@ def test_replica_step_in_one_process(precision):
     )
     replica = Replica(policy, seed=0, device=torch.device("cpu"))
     batch = sources.make_batch(0, 0, 0, rows=4, seq_len=SEQ_LEN, vocab_size=VOCAB)
-    before = replica.weights()
+    before = replica.files.weights()
     with pytest.raises(RuntimeError, match="before a successful begin_train_step"):
         replica.finish()
     replica.begin(None, lambda: batch)
     replica.train(batch)
     replica.abort()
-    assert all(torch.equal(before[k], v) for k, v in replica.weights().items())
+    assert all(torch.equal(before[k], v) for k, v in replica.files.weights().items())
     replica.begin(None, lambda: batch)
     replica.train(batch)
     out = replica.finish()
     assert math.isfinite(out.loss) and out.valid_tokens == batch.loss_mask[:, 1:].sum()
     assert out.step == 1 and len(out.micro_batches) == 2
-    assert not torch.equal(before["head.weight"], replica.weights()["head.weight"])
+    assert not torch.equal(before["head.weight"], replica.files.weights()["head.weight"])
 
 
 class _FloatMetricsLoss(NLLLossFn):
@@ -202,7 +202,7 @@ def test_tensor_and_float_metrics_give_the_same_step_as_floats():
         trained = replica.train(batch)
         assert all(type(v) is float for mb in trained["micro_batches"] for v in mb.values())
         outs.append(replica.finish())
-        weights.append(replica.weights())
+        weights.append(replica.files.weights())
     tensor_out, float_out = outs
     assert len(tensor_out.micro_batches) == 3
     assert tensor_out.loss == float_out.loss  # same float64 sum of the same nll sums
@@ -242,7 +242,7 @@ def test_abort_rewinds_the_rng_that_dropout_used():
         replica.begin(None, lambda: batch)
         replica.train(batch)
         replica.finish()
-        return replica.weights()
+        return replica.files.weights()
 
     straight = one_step(Replica(policy, seed=0, device=torch.device("cpu")), False)
     undone_first = one_step(Replica(policy, seed=0, device=torch.device("cpu")), True)

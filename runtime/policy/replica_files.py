@@ -1,9 +1,10 @@
-"""`ReplicaState`: what a replica's files hold, read and written (a part of `Replica`).
+"""`ReplicaFiles`: what a replica's files hold, read and written.
 
-Kept apart from the step phases because it is a concern of its own: the weights a checkpoint
-or an export takes (whole, the adapters only with LoRA, gathered when sharded), the optimizer
-and the schedule's position, and the per-rank shards of a sharded checkpoint. `Replica` sets
-every attribute read here.
+A concern of its own beside the step phases: the weights a checkpoint or an export takes
+(whole, the adapters only with LoRA, gathered when sharded), the optimizer and the
+schedule's position, and the per-rank shards of a sharded checkpoint. A `Replica` owns one,
+made anew when it shards its model (the optimizer is then made anew over the shards); the
+step count stays the replica's, passed in and handed back.
 """
 
 from __future__ import annotations
@@ -20,16 +21,25 @@ from sft_runtime.runtime.policy.hf_model import hf_state_dict, load_hf_state_dic
 TRAINER_STATE_FORMAT = 1
 
 
-class ReplicaState:
-    """The state half of `Replica`."""
+class ReplicaFiles:
+    """The files of one replica's model and optimizer (see module docstring)."""
 
-    policy: PolicyConfig
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    sharded: bool
-    steps_done: int
-    lora_targets: Any  # the layers LoRA adapts, None in a full fine-tune
-    start_read: dict[str, int] | None
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        lora_targets: Any,
+        sharded: bool,
+        start_read: dict[str, int] | None,
+    ) -> None:
+        self.policy = policy
+        self.model = model
+        self.optimizer = optimizer
+        self.lora_targets = lora_targets  # the layers LoRA adapts, None in a full fine-tune
+        self.sharded = sharded
+        self.start_read = start_read  # elements of the model read at a sharded start
 
     # ----------------------------------------------------------------- state
     def weights(
@@ -67,23 +77,21 @@ class ReplicaState:
     def is_hf(self) -> bool:
         return self.policy.is_hf
 
-    def optimizer_state(self) -> dict[str, Any]:
+    def optimizer_state(self, steps_done: int) -> dict[str, Any]:
         """The optimizer's state plus the schedule's step count; loadable with
         ``weights_only=True``. Sharded, the whole state is gathered (a collective)."""
         if self.sharded:
             optimizer = fsdp.full_optimizer_state(self.model, self.optimizer)
         else:
             optimizer = self.optimizer.state_dict()
-        return {**self.trainer_state(), "optimizer": optimizer}
+        return {**trainer_state(steps_done), "optimizer": optimizer}
 
-    def trainer_state(self) -> dict[str, Any]:
-        """What the optimizer file holds besides the optimizer: the schedule's position."""
-        return {"format": TRAINER_STATE_FORMAT, "scheduler": {"steps_done": self.steps_done}}
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.load_trainer_state(state)
+    def load_optimizer_state(self, state: dict[str, Any]) -> int:
+        """Load the optimizer; returns the step count the state was saved at."""
+        steps_done = load_trainer_state(state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.use_config_hyperparameters()
+        return steps_done
 
     def use_config_hyperparameters(self) -> None:
         """The config's optimizer kwargs over those a loaded state carries: a resume the
@@ -94,11 +102,6 @@ class ReplicaState:
             for key, value in given.items():
                 if key in group:  # as the constructor stored it (betas as a tuple)
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
-
-    def load_trainer_state(self, state: dict[str, Any]) -> None:
-        if state.get("format") != TRAINER_STATE_FORMAT:
-            raise ValueError(f"unknown optimizer checkpoint format {state.get('format')!r}")
-        self.steps_done = int(state["scheduler"]["steps_done"])
 
     # ----------------------------------------------------------------- sharded files
     def save_shards(self, weights_path: str, optimizer_path: str | None) -> list[str]:
@@ -126,3 +129,15 @@ class ReplicaState:
             storage["start_read_local"] = self.start_read["elements_read"]
             storage["start_read_full"] = self.start_read["elements_whole"]
         return storage
+
+
+def trainer_state(steps_done: int) -> dict[str, Any]:
+    """What the optimizer file holds besides the optimizer: the schedule's position."""
+    return {"format": TRAINER_STATE_FORMAT, "scheduler": {"steps_done": steps_done}}
+
+
+def load_trainer_state(state: dict[str, Any]) -> int:
+    """The step count a `trainer_state` holds."""
+    if state.get("format") != TRAINER_STATE_FORMAT:
+        raise ValueError(f"unknown optimizer checkpoint format {state.get('format')!r}")
+    return int(state["scheduler"]["steps_done"])
