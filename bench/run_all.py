@@ -55,6 +55,7 @@ BENCHMARKS = [
     "hf_start_readers",
     "shutdown",
     "real_model",
+    "step_files",
 ]
 MARK = "bench-rows: "
 # Smoke figures mean nothing, so two benchmarks may share the machine: a good part of each

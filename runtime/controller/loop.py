@@ -49,6 +49,7 @@ from sft_runtime.runtime.process.disk_full import disk_full_error
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.liveness import check_driver
 from sft_runtime.runtime.process.niceness import controller_niceness, set_niceness
+from sft_runtime.runtime.process.step_census import step_census
 from sft_runtime.runtime.resume.input_identity import config_identities
 from sft_runtime.runtime.workers.calls import Pending
 from sft_runtime.runtime.workers.results import StepStarted, StepTrained
@@ -239,7 +240,7 @@ class SFTController:
         self._trace = trace
         in_flight = StepInFlight()  # how far the step got, what an abort must undo
         try:
-            with trace.current():
+            with trace.current(), step_census("controller", step):
                 self._step_in(trace, step, in_flight)
         except BaseException as exc:
             trace.error = exc

@@ -121,8 +121,11 @@ def _hold_at(path: str, point: str, step: int | None, rank: int | None) -> None:
 
 
 def actor_fault_options() -> dict:
-    """Ray options that hand this process's fault variables to an actor it starts: an
+    """Ray options that hand this process's fault variables (and the step census's,
+    `step_census`) to an actor it starts: an
     existing cluster's actors do not inherit the driver's environment. Empty when none is
     set, so a normal run's actors are started exactly as before."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(ENV)}
+    from sft_runtime.runtime.process.step_census import ENV as CENSUS_ENV
+
+    env = {k: v for k, v in os.environ.items() if k.startswith((ENV, CENSUS_ENV))}
     return {"runtime_env": {"env_vars": env}} if env else {}

@@ -45,6 +45,7 @@ from sft_runtime.runtime.policy.replica import Replica
 from sft_runtime.runtime.policy.step_outcome import StepFinished, StepUndone
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.process.niceness import set_niceness
+from sft_runtime.runtime.process.step_census import step_census
 from sft_runtime.runtime.workers.results import (
     CheckpointFiles,
     CheckpointLoaded,
@@ -257,10 +258,11 @@ class PolicyWorkerBase:
         machine whose cores the workers fill, each costs the controller and the worker CPU
         that the next step waits for. A start that fails raises before the finish runs, so
         the step stays open to be aborted, as with the two calls."""
-        started = self.start_sft_step(
-            loss_fn, commit_previous, sent_ahead=sent_ahead, _otel_carrier=_otel_carrier
-        )
-        return StepTrained(started, self.finish_train_step(_otel_carrier=finish_carrier))
+        with step_census(f"worker{self.rank}", self.replica.steps_done + 1):
+            started = self.start_sft_step(
+                loss_fn, commit_previous, sent_ahead=sent_ahead, _otel_carrier=_otel_carrier
+            )
+            return StepTrained(started, self.finish_train_step(_otel_carrier=finish_carrier))
 
     def _read_ahead(self) -> None:
         """The next step's batch, read while this step's gradients are all-reduced: the
