@@ -6,7 +6,9 @@ and the conversations the demo's identity chats, rendered by SmolLM2's template 
 plain loop get its ``{% generation %}`` variant, tests/support/smollm2_template.py, for
 their assistant masks). Three modes: a full fine-tune unpacked (16 conversations a step in
 micro-batches of 4) and packed (4 rows of up to 256 tokens a step, 2 a micro-batch; TRL's
-``packing=True``), and LoRA (dim 16, every linear layer, unpacked) against TRL with peft.
+``packing=True``; sft-runtime's global batch counts conversations, so it gets as many a step
+as 4 packed rows hold on average, `conversations_per_step`), and LoRA (dim 16, every linear
+layer, unpacked) against TRL with peft.
 Same lr, rows, micro-batches, max length, assistant-only loss, AdamW at a constant LR,
 clipping at 1.0, float32 (TRL's bf16 and activation-checkpointing defaults turned off).
 

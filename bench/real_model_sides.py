@@ -91,7 +91,7 @@ def runtime_config(setup: Setup, run_dir: Path) -> dict[str, Any]:
     """The run config of the runtime side (DP=1)."""
     policy: dict[str, Any] = {
         "model_name": setup.model_dir,
-        "train_global_batch_size": setup.rows,
+        "train_global_batch_size": conversations_per_step(setup),
         "train_micro_batch_size": setup.micro,
         "max_grad_norm": 1.0,
         # TRL's and the plain loop's AdamW: torch's defaults
@@ -214,6 +214,17 @@ def _encoded(setup: Setup) -> list[tuple[list[int], list[int]]]:
         )
         out.append((enc["input_ids"][: setup.seq], enc["assistant_masks"][: setup.seq]))
     return out
+
+
+def conversations_per_step(setup: Setup) -> int:
+    """The runtime's global batch, which counts conversations (as NeMo RL's does): unpacked
+    a step's rows; packed, as many as the other sides' packed rows a step hold on average,
+    so that every side trains about the same tokens a step (a multiple of the micro-batch)."""
+    if not setup.packed:
+        return setup.rows
+    encoded = _encoded(setup)
+    per_row = len(encoded) / len(_packed_rows(encoded, setup.seq))
+    return max(setup.micro, round(per_row * setup.rows / setup.micro) * setup.micro)
 
 
 def _packed_rows(encoded, seq: int) -> list[list[tuple[list[int], list[int]]]]:
