@@ -36,7 +36,9 @@ from sft_runtime.runtime.errors import DiskFullError, DivergedError, quietly
 from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.metrics.step_metrics import (
     SFT_V2_TEED_METRICS,
+    RunSummary,
     RunTally,
+    StepMetrics,
     check_envelopes,
     run_summary,
     sample_digest,
@@ -122,7 +124,7 @@ class SFTController:
         already sent ahead to the workers is recorded first."""
         self._stop.set()
 
-    def run_with_trace_context(self, _otel_carrier: dict | None = None) -> dict[str, Any]:
+    def run_with_trace_context(self, _otel_carrier: dict | None = None) -> RunSummary:
         """`run` in the controller actor: a little nicer than the workers (see
         process/niceness.py), as a child of the driver's span; exports this process's spans at
         the end."""
@@ -154,7 +156,7 @@ class SFTController:
         saved = self.ckpt.steps()
         return DiskFullError(full.errno, full.what, saved[-1] if saved else 0)
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunSummary:
         with traced(JOB_SPAN) as job:
             self._job = job
             with traced(SETUP_SPANS["open_log"]):
@@ -292,7 +294,7 @@ class SFTController:
             consumed = self._machine.save_state.consumed_samples
             self._step_attributes = step_attributes(metrics, consumed)
 
-    def _check_finite(self, step: int, metrics: dict[str, Any]) -> None:
+    def _check_finite(self, step: int, metrics: StepMetrics) -> None:
         """A non-finite loss or norm: the workers did not apply the update (`Replica.finish`).
         The step is then aborted and the run stops, or, with ``sft.skip_nonfinite_steps``, it
         is committed as it was and counted."""
@@ -464,8 +466,8 @@ class SFTController:
             attempt=self._attempt,
         )
 
-    def _summary(self, start_step: int, reason: str) -> dict[str, Any]:
-        return run_summary(
+    def _summary(self, start_step: int, reason: str) -> RunSummary:
+        summary = run_summary(
             self._machine.save_state,
             reason=reason,
             attempt=_opened(self.log).attempt,
@@ -476,7 +478,9 @@ class SFTController:
             run_dir=self.run_dir,
             sample_counts=self.tally.sample_counts,
             nonfinite_skipped=self.tally.nonfinite_skipped,
-        ) | {"telemetry_flush_by": self._flush_by}
+        )
+        summary["telemetry_flush_by"] = self._flush_by
+        return summary
 
     def _fault_after(self, phase: StepPhase, step: int) -> None:
         fault_point(phase.fault_point, step=step, attempt=self._attempt)

@@ -24,6 +24,7 @@ from sft_runtime.runtime.controller.actor import SFTSingleControllerActor
 from sft_runtime.runtime.errors import RunFailure, UserInputError, quietly
 from sft_runtime.runtime.launch.run_lock import holding_run
 from sft_runtime.runtime.launch.setup import setup_sft_v2
+from sft_runtime.runtime.metrics.step_metrics import RunSummary
 from sft_runtime.runtime.process.faults import actor_fault_options, fault_point
 from sft_runtime.runtime.resume.placement_change import with_shards
 from sft_runtime.runtime.workers.actor_exit import kill_and_wait
@@ -37,7 +38,7 @@ STOP_ACK_TIMEOUT_S = 60.0
 class RunInterrupted(Exception):
     """The run stopped because of a signal; the summary of what was saved is attached."""
 
-    def __init__(self, summary: dict[str, Any] | None) -> None:
+    def __init__(self, summary: RunSummary | None) -> None:
         super().__init__("interrupted")
         self.summary = summary
 
@@ -92,7 +93,7 @@ def run_training(
     tokenizer: Any = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     on_stop_request: Callable[[], None] | None = None,
-) -> dict[str, Any]:
+) -> RunSummary:
     """Train until the budget, a deadline or a signal; returns the controller's summary.
 
     Raises `RunInterrupted` after a clean stop on a signal, and the original error when a
@@ -109,7 +110,7 @@ def run_training(
         telemetry = setup_telemetry(
             config.telemetry, role="driver", run_dir=run_dir, attempt=attempt
         )
-        summary: dict[str, Any] | None = None
+        summary: RunSummary | None = None
         try:
             with traced(DRIVER_SPAN):
                 summary = _drive(config, tokenizer, on_step, on_stop_request)
@@ -151,7 +152,7 @@ def _ask_to_stop(controller: Any) -> None:
         print(f"warning: the controller did not take the stop request: {exc}", file=sys.stderr)
 
 
-def _result(ref: Any) -> dict[str, Any]:
+def _result(ref: Any) -> RunSummary:
     """The controller's summary. Bad input found while the run was under way (a sample the
     chat template refuses, a damaged shard) is raised as itself, not inside Ray's wrapper,
     whose text carries the controller's traceback: the user gets the one line it says."""
@@ -163,7 +164,7 @@ def _result(ref: Any) -> dict[str, Any]:
         raise
 
 
-def _drive(config, tokenizer, on_step, on_stop_request) -> dict[str, Any]:
+def _drive(config, tokenizer, on_step, on_stop_request) -> RunSummary:
     args = setup_sft_v2(config, tokenizer)
     # the data shards it resolved (fixed at the run's start) go into every checkpoint's config
     config = with_shards(config, args.placement_plan.logical_world_size)

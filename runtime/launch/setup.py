@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from sft_runtime.events.errors import EventLogLocked
 from sft_runtime.events.log import LOCK_NAME, acquire_lock, lock_holder
@@ -31,7 +31,7 @@ from sft_runtime.runtime.metrics.superseded import drop_superseded_rows
 from sft_runtime.runtime.policy.config import ClusterConfig
 from sft_runtime.runtime.process.liveness import driver_alive, driver_identity
 from sft_runtime.runtime.process.niceness import embedded_ray_env
-from sft_runtime.runtime.resume.config_change import resume_config, resume_notes
+from sft_runtime.runtime.resume.config_change import ConfigRecord, resume_config, resume_notes
 from sft_runtime.runtime.resume.placement_change import run_shards, with_shards, workers_change
 from sft_runtime.states import SFTV2SaveState, initial_save_state
 from sft_runtime.traces.spans import SETUP_SPANS, traced
@@ -39,11 +39,22 @@ from sft_runtime.traces.spans import SETUP_SPANS, traced
 LOCK_WAIT_S = 15.0
 
 
+class ClusterInfo(TypedDict):
+    """What the driver tells the controller about where the run runs (a dict, as the seed's
+    ``train_cluster`` is)."""
+
+    world_size: int  # data-parallel workers
+    node_ids: list[str]  # each worker's Ray node, in rank order
+    driver_pid: int  # the controller stops when this process is gone (`check_driver`)
+    driver_host: str
+    config_record: ConfigRecord  # what run_started records about the config
+
+
 @dataclass
 class SFTV2ActorArgs:
     trainer: Any  # PolicyWorkerGroup
     loss_fn: Any
-    train_cluster: dict[str, Any]
+    train_cluster: ClusterInfo
     placement_plan: DataLoaderPlacementPlan
     save_state: SFTV2SaveState
     loader_states: list | None
@@ -259,13 +270,13 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
         return SFTV2ActorArgs(
             trainer=group,
             loss_fn=NLLLossFn(),
-            train_cluster={
-                "world_size": group.world_size,
-                "node_ids": group.node_ids(),
-                **driver_identity(),
-                # what run_started records about the config (`ConfigRecord`)
-                "config_record": record,
-            },
+            train_cluster=ClusterInfo(
+                world_size=group.world_size,
+                node_ids=group.node_ids(),
+                driver_pid=os.getpid(),
+                driver_host=driver_identity()["driver_host"],
+                config_record=record,
+            ),
             placement_plan=plan,
             save_state=state,
             loader_states=resume.loader_states if resume.step else None,

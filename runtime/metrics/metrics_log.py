@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -242,7 +243,7 @@ class MetricsLogger:
             run_config=run_config,
         )
 
-    def log(self, step: int, metrics: dict[str, Any], *, prefix: str = "train") -> None:
+    def log(self, step: int, metrics: Mapping[str, Any], *, prefix: str = "train") -> None:
         with self._lock:
             self._step = max(self._step, step)
             if self._fh is not None:

@@ -7,9 +7,9 @@ are testable without Ray.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NotRequired, Protocol, TypedDict
 
 from sft_runtime.runtime.data.batch import StepEnvelope
 
@@ -38,6 +38,32 @@ STEP_METRIC_KEYS = (
     *WORKER_TIME_KEYS,
 )
 """Every key `step_metrics` may return: what ``checkpointing.metric_name`` can rank by."""
+
+
+class StepMetrics(TypedDict):
+    """One step's metrics, as `step_metrics` derives them (`STEP_METRIC_KEYS`): logged to
+    metrics.jsonl, its timings recorded in step_committed, ranked by checkpoints."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    valid_tokens: int  # supervised target tokens of the global batch
+    source_samples: int  # conversations
+    physical_packs: int  # rows
+    overlong_samples: int
+    skipped_samples: int
+    loader_latency_max: float  # the slowest data shard's load
+    loader_latency_mean: float
+    loader_copy_imbalance: float  # most tokens on a shard over the mean
+    load_time: float
+    policy_time: float  # the step's time to its gradients applied, less the load
+    total_step_time: float
+    valid_tokens_per_second: float
+    forward_backward_s: NotRequired[float]  # the slowest worker's
+    allreduce_s: NotRequired[float]
+    optimizer_s: NotRequired[float]
+    # 1 on a non-finite step committed without its update (sft.skip_nonfinite_steps)
+    nonfinite_skipped: NotRequired[int]
 
 
 class FinishedStep(Protocol):
@@ -79,7 +105,7 @@ def step_metrics(
     *,
     trained_s: float,
     total_time: float,
-) -> dict[str, Any]:
+) -> StepMetrics:
     """The metric keys of one step (logged to metrics.jsonl and the step_committed record):
     ``trained_s`` from the step's start to its gradients applied, of which the slowest
     loader's time is loading and the rest the policy's."""
@@ -90,25 +116,27 @@ def step_metrics(
     mean_tokens = sum(tokens) / len(tokens) if tokens else 0.0
     valid_tokens = sum(tokens)
     head = results[0]
-    metrics = {
-        "loss": float(head.loss),
-        "grad_norm": float(head.grad_norm),
-        "lr": float(head.lr),
-        "valid_tokens": valid_tokens,
-        "source_samples": sum(len(e.source_ids) for e in envelopes),
-        "physical_packs": sum(e.physical_packs for e in envelopes),
-        **{key: sum(getattr(e, key) for e in envelopes) for key in SAMPLE_COUNT_KEYS},
-        LOADER_LATENCY_MAX_KEY: max(latencies, default=0.0),
-        "loader_latency_mean": sum(latencies) / len(latencies) if latencies else 0.0,
-        "loader_copy_imbalance": (max(tokens) / mean_tokens) if mean_tokens else 1.0,
-        "load_time": load_time,
-        POLICY_TIME_KEY: policy_time,
-        TOTAL_STEP_TIME_KEY: total_time,
-        VALID_TOKENS_PER_SECOND_KEY: valid_tokens / total_time if total_time > 0 else 0.0,
-    }
-    for key in WORKER_TIME_KEYS:  # the slowest rank's
-        if results:
-            metrics[key] = max(float(getattr(r, key)) for r in results)
+    metrics = StepMetrics(
+        loss=float(head.loss),
+        grad_norm=float(head.grad_norm),
+        lr=float(head.lr),
+        valid_tokens=valid_tokens,
+        source_samples=sum(len(e.source_ids) for e in envelopes),
+        physical_packs=sum(e.physical_packs for e in envelopes),
+        overlong_samples=sum(e.overlong_samples for e in envelopes),
+        skipped_samples=sum(e.skipped_samples for e in envelopes),
+        loader_latency_max=max(latencies, default=0.0),
+        loader_latency_mean=sum(latencies) / len(latencies) if latencies else 0.0,
+        loader_copy_imbalance=(max(tokens) / mean_tokens) if mean_tokens else 1.0,
+        load_time=load_time,
+        policy_time=policy_time,
+        total_step_time=total_time,
+        valid_tokens_per_second=valid_tokens / total_time if total_time > 0 else 0.0,
+    )
+    if results:  # the slowest rank's
+        metrics["forward_backward_s"] = max(float(r.forward_backward_s) for r in results)
+        metrics["allreduce_s"] = max(float(r.allreduce_s) for r in results)
+        metrics["optimizer_s"] = max(float(r.optimizer_s) for r in results)
     return metrics
 
 
@@ -151,12 +179,12 @@ TIMING_KEYS = (
 )
 
 
-def step_timings(metrics: dict[str, Any]) -> dict[str, float]:
+def step_timings(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The timing metrics a ``step_committed`` record carries."""
     return {k: float(metrics[k]) for k in TIMING_KEYS if k in metrics}
 
 
-def step_attributes(metrics: dict[str, Any], consumed_samples: int) -> dict[str, Any]:
+def step_attributes(metrics: Mapping[str, Any], consumed_samples: int) -> dict[str, Any]:
     """Attributes of a finished ``rl.sft_v2.step`` span; durations say their unit (the span's
     own extent, ``total_step_time_s``, is added when it is drawn: `StepTrace.end`)."""
     return {
@@ -167,6 +195,29 @@ def step_attributes(metrics: dict[str, Any], consumed_samples: int) -> dict[str,
         "policy_time_s": metrics[POLICY_TIME_KEY],
         "load_time_s": metrics["load_time"],
     }
+
+
+class RunSummary(TypedDict):
+    """What `SFTController.run` returns to the driver, and `run_training` to its caller: how
+    the attempt ended and where the run stands (a dict, so code written against the seed's
+    keys reads it unchanged)."""
+
+    reason: str  # completed, interrupted, timeout, failed, diverged
+    attempt: int
+    resumed_from_step: int | None
+    steps_run: int
+    total_steps: int
+    max_steps: int
+    consumed_samples: int
+    total_valid_tokens: int
+    first_loss: float | None
+    last_loss: float | None
+    checkpoints: list[int]
+    run_dir: str
+    overlong_samples: int  # this attempt's (`SAMPLE_COUNT_KEYS`)
+    skipped_samples: int
+    nonfinite_skipped: int  # steps committed without their update
+    telemetry_flush_by: NotRequired[float | None]  # the deadline the workers flushed spans against
 
 
 def run_summary(
@@ -181,8 +232,9 @@ def run_summary(
     run_dir: Any,
     sample_counts: dict[str, int] | None = None,
     nonfinite_skipped: int = 0,
-) -> dict[str, Any]:
+) -> RunSummary:
     """What `SFTController.run` returns: how the attempt ended and where the run stands."""
+    counts = sample_counts or {}
     return {
         "reason": reason,
         "attempt": attempt,
@@ -196,8 +248,9 @@ def run_summary(
         "last_loss": losses[-1] if losses else None,
         "checkpoints": checkpoints,
         "run_dir": str(run_dir),
-        **{key: (sample_counts or {}).get(key, 0) for key in SAMPLE_COUNT_KEYS},  # this attempt
-        "nonfinite_skipped": nonfinite_skipped,  # steps committed without their update
+        "overlong_samples": counts.get("overlong_samples", 0),
+        "skipped_samples": counts.get("skipped_samples", 0),
+        "nonfinite_skipped": nonfinite_skipped,
     }
 
 
@@ -213,9 +266,9 @@ class RunTally:
     )
     nonfinite_skipped: int = 0
 
-    def add(self, metrics: dict[str, Any]) -> None:
+    def add(self, metrics: StepMetrics) -> None:
         """A committed step's metrics (`step_metrics`)."""
-        self.last = metrics
+        self.last = dict(metrics)
         self.losses.append(metrics["loss"])
         self.nonfinite_skipped += metrics.get("nonfinite_skipped", 0)
         for key in SAMPLE_COUNT_KEYS:
