@@ -149,3 +149,23 @@ def test_matplotlib_loads_only_for_plot_and_torch_and_ray_never(run_dir):
         [sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, check=True
     ).stdout
     assert "WITHOUT False" in out and "WITH True" in out and "HEAVY []" in out
+
+
+def test_an_attempt_on_another_number_of_workers_is_labelled_with_it(run_dir):
+    records = list(read_log(run_dir))
+    started = next(r for r in records if r.type == "run_started" and r.attempt == 2)
+    change = started._replace(
+        type="placement_changed",
+        data={
+            "resumed_from_step": 3,
+            "old_world_size": 2,
+            "new_world_size": 1,
+            "shards": 2,
+            "shard_map": [[0, 1]],
+        },
+    )
+    records.insert(records.index(started) + 1, change)
+    series = collect(records)
+    assert [s.workers for s in series] == [None, 1, None]
+    loss = draw(series, "run").axes[0]
+    assert " W=1" in {t.get_text() for t in loss.texts}
