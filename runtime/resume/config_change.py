@@ -41,7 +41,7 @@ from sft_runtime.runtime.resume.config_keys import (
     flatten,
 )
 from sft_runtime.runtime.resume.input_identity import input_identities
-from sft_runtime.runtime.resume.placement_change import check_placement
+from sft_runtime.runtime.resume.placement_change import SHARDS_KEY, check_placement, saved_shards
 
 ALLOW_FLAG = "--allow-config-change"
 ALLOW_KEY = "checkpointing.allow_config_change"
@@ -82,6 +82,8 @@ def config_digest(flat: dict[str, Any], identities: dict[str, str]) -> str:
     """``sha256:`` of the keys that decide a step, paths by their content: two attempts with
     one digest compute alike whatever else (budget, logging, where) differs."""
     parts = {key: identities.get(key, flat.get(key)) for key in computation_keys()}
+    if parts.get(SHARDS_KEY) == saved_shards({**flat, SHARDS_KEY: None}):
+        parts[SHARDS_KEY] = None  # one shard a worker: what a config without the key means
     blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str).encode()
     return "sha256:" + hashlib.sha256(blob).hexdigest()
 
