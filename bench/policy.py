@@ -60,7 +60,8 @@ def _sources():
 
 
 def _configs():
-    from sft_runtime.runtime.policy.config import ClusterConfig, ModelConfig, PolicyConfig
+    from sft_runtime.runtime.policy.cluster_config import ClusterConfig
+    from sft_runtime.runtime.policy.config import ModelConfig, PolicyConfig
 
     policy = PolicyConfig(
         precision="float32",

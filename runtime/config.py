@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from sft_runtime.runtime.checkpoint.config import CheckpointingConfig
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
@@ -26,8 +26,9 @@ from sft_runtime.runtime.data.config import (
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.metrics.metrics_log import LoggerConfig
+from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 from sft_runtime.runtime.policy.config import (
-    ClusterConfig,
+    STRICT,
     PolicyConfig,
     check_batch_layout,
     check_dynamic_batching,
@@ -41,7 +42,6 @@ from sft_runtime.runtime.validation.config import (
 from sft_runtime.states import StepRules
 from sft_runtime.traces.config import TelemetryConfig
 
-_Strict = ConfigDict(extra="forbid", allow_inf_nan=False)  # `lr: .inf` is bad input
 NEMO_RL_SEQUENCE_LENGTH = 1024  # policy.max_total_sequence_length in NeMo RL's sft.yaml
 NEMO_RL_METRIC = "val:val_loss"  # checkpointing.metric_name in NeMo RL's sft.yaml
 
@@ -68,7 +68,7 @@ class PolicySection(PolicyConfig):
 
 
 class SFTConfig(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
 
     max_num_steps: int = Field(60, ge=1)
     max_num_epochs: int = Field(1, ge=1)
@@ -89,7 +89,7 @@ class SFTConfig(BaseModel):
 
 
 class DataPlaneConfig(BaseModel):
-    model_config = _Strict
+    model_config = STRICT
 
     impl: Literal["local"] = "local"
     max_partitions: int = Field(1, ge=1)  # batches a worker may hold (>= 2 prefetches)
@@ -100,7 +100,7 @@ class DataPlaneConfig(BaseModel):
 class MasterConfig(BaseModel):
     """The whole run config. Sections are plain data; live objects never go in here."""
 
-    model_config = _Strict
+    model_config = STRICT
 
     policy: PolicySection = PolicySection()
     data: DataConfig

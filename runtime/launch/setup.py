@@ -28,7 +28,7 @@ from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.launch.ray_session import remove_session_at_exit
 from sft_runtime.runtime.launch.run_lock import check_not_held
 from sft_runtime.runtime.metrics.superseded import drop_superseded_rows
-from sft_runtime.runtime.policy.config import ClusterConfig
+from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 from sft_runtime.runtime.process.liveness import driver_alive, driver_identity
 from sft_runtime.runtime.process.niceness import embedded_ray_env
 from sft_runtime.runtime.resume.config_change import ConfigRecord, resume_config, resume_notes

@@ -1,12 +1,12 @@
-"""Config sections of the policy workers (model, optimizer, schedule, FSDP2, policy, cluster).
+"""Config sections of the policy (model, optimizer, schedule, FSDP2, LoRA, batching).
 
 These are pydantic v2 models with ``extra="forbid"`` that `MasterConfig` composes under the
-keys ``policy`` and ``cluster``. Static values live here; live objects (actors, tensors,
-loader factories) never do. Checks that need only the config run in validators so a bad
-file fails before Ray starts; `parse_section` turns pydantic's error into a
-`UserInputError` whose message names the dotted key (``policy.optimizer.lr``), which the CLI
-maps to exit code 2. The one check that needs the data-parallel size,
-`check_batch_layout`, runs when the worker group is built.
+key ``policy`` (where the workers run, ``cluster``, is `cluster_config.ClusterConfig`).
+Static values live here; live objects (actors, tensors, loader factories) never do. Checks
+that need only the config run in validators so a bad file fails before Ray starts;
+`parse_section` turns pydantic's error into a `UserInputError` whose message names the
+dotted key (``policy.optimizer.lr``), which the CLI maps to exit code 2. The one check that
+needs the data-parallel size, `check_batch_layout`, runs when the worker group is built.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.lora.config import LoraConfig
 
-_Strict = ConfigDict(extra="forbid", allow_inf_nan=False)  # `lr: .inf` is bad input
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)  # every section's: `lr: .inf` is bad input
 
 
 class ModelConfig(BaseModel):
@@ -27,7 +27,7 @@ class ModelConfig(BaseModel):
     has no such model, so its sizes keep this runtime's names), and how a pretrained model's
     attention runs."""
 
-    model_config = _Strict
+    model_config = STRICT
 
     vocab_size: int = Field(256, ge=2)
     d_model: int = Field(64, ge=1)
@@ -83,7 +83,7 @@ class OptimizerConfig(BaseModel):
     another class gets exactly the kwargs given, besides torch's own defaults.
     """
 
-    model_config = _Strict
+    model_config = STRICT
 
     name: str = "torch.optim.AdamW"
     kwargs: dict[str, Any] = Field(default_factory=lambda: dict(NEMO_RL_ADAMW))
@@ -275,7 +275,7 @@ class DynamicBatchingConfig(BaseModel):
     written in by `MasterConfig`, whose rules need the other sections
     (`check_dynamic_batching`)."""
 
-    model_config = _Strict
+    model_config = STRICT
 
     enabled: bool = False
     train_mb_tokens: int | None = Field(None, ge=1)
@@ -312,7 +312,7 @@ def _nemo_rl_policy_names(data: dict[str, Any]) -> dict[str, Any]:
 class PolicyConfig(BaseModel):
     """Everything a policy worker needs to build and train its replica."""
 
-    model_config = _Strict
+    model_config = STRICT
 
     # NeMo RL's: a local Hugging Face model folder; null trains the built-in `model`
     model_name: str | None = None
@@ -359,69 +359,6 @@ class PolicyConfig(BaseModel):
     def is_hf(self) -> bool:
         """A pretrained Hugging Face model (``model_name``), not the built-in transformer."""
         return self.model_name is not None
-
-
-class ClusterConfig(BaseModel):
-    """Where the workers run: one placement-group bundle per DP worker."""
-
-    model_config = _Strict
-
-    address: str | None = None
-    num_nodes: int = Field(1, ge=1)
-    workers_per_node: int = Field(2, ge=1)
-    cpus_per_worker: float = Field(1.0, gt=0.0)
-    gpus_per_node: int = Field(0, ge=0)  # left out: see _workers_follow_gpus
-    placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
-    num_threads_per_worker: int = Field(1, ge=1)
-    dist_timeout_s: float = Field(60.0, gt=0.0)
-    call_timeout_s: float = Field(300.0, gt=0.0)
-    placement_timeout_s: float = Field(60.0, gt=0.0)
-    connect_timeout_s: float = Field(10.0, gt=0.0)
-    # Ray starts workers at niceness 15, so on a busy machine any other process starves the
-    # controller and the training step; they run at this value where permitted (None keeps
-    # Ray's). See process/niceness.py.
-    worker_niceness: int | None = Field(0, ge=-20, le=19)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _workers_follow_gpus(cls, data: Any) -> Any:
-        """NeMo RL runs one worker per GPU: ``gpus_per_node: N`` alone means N workers a
-        node. ``workers_per_node`` is ours, for CPU workers (``gpus_per_node: 0``). Left
-        out, ``gpus_per_node`` is NeMo RL's 1 (or a GPU for each of ``workers_per_node``)
-        where this machine has a GPU, and 0 where it has none (NeMo RL's value cannot run
-        there)."""
-        if not isinstance(data, dict):
-            return data
-        if data.get("gpus_per_node") is None:
-            gpus = (data.get("workers_per_node") or 1) if _gpu_visible() else 0
-            data = {**data, "gpus_per_node": gpus}
-        if data["gpus_per_node"] and data.get("workers_per_node") is None:
-            return {**data, "workers_per_node": data["gpus_per_node"]}
-        return data
-
-    @model_validator(mode="after")
-    def _check(self) -> ClusterConfig:
-        if self.gpus_per_node not in (0, self.workers_per_node):
-            raise ValueError(
-                f"cluster.gpus_per_node={self.gpus_per_node} runs one worker per GPU, but "
-                f"cluster.workers_per_node={self.workers_per_node}: leave workers_per_node "
-                "out (it follows gpus_per_node), or set gpus_per_node=0 for CPU workers"
-            )
-        return self
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.workers_per_node
-
-    @property
-    def gpus_per_worker(self) -> int:
-        return 1 if self.gpus_per_node else 0
-
-
-def _gpu_visible() -> bool:
-    import torch  # noqa: PLC0415 - the config module stays importable without touching CUDA
-
-    return torch.cuda.is_available()
 
 
 def check_batch_layout(policy: PolicyConfig, dp_size: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from sft_runtime.runtime.policy.config import ClusterConfig
+from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 
 
 class PlacementError(RuntimeError):

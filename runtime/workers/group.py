@@ -24,12 +24,8 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sft_runtime.runtime.errors import PeerStepError, UserInputError
-from sft_runtime.runtime.policy.config import (
-    ClusterConfig,
-    PolicyConfig,
-    check_batch_layout,
-    parse_section,
-)
+from sft_runtime.runtime.policy.cluster_config import ClusterConfig
+from sft_runtime.runtime.policy.config import PolicyConfig, check_batch_layout, parse_section
 from sft_runtime.runtime.process.faults import actor_fault_options
 from sft_runtime.runtime.workers.actor_exit import kill_and_wait
 from sft_runtime.runtime.workers.calls import CheckpointLoad, Pending, Ranks, WorkerCalls

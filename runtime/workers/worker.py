@@ -40,7 +40,8 @@ from sft_runtime.runtime.data.batch import BatchSource
 from sft_runtime.runtime.data.prefetch import PrefetchingLoader
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy import rendezvous
-from sft_runtime.runtime.policy.config import ClusterConfig, PolicyConfig
+from sft_runtime.runtime.policy.cluster_config import ClusterConfig
+from sft_runtime.runtime.policy.config import PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
 from sft_runtime.runtime.policy.step_outcome import StepFinished, StepUndone
 from sft_runtime.runtime.process.faults import fault_point

@@ -204,7 +204,7 @@ def policy_cfg():
 
 @pytest.fixture(scope="session")
 def cluster_cfg():
-    from sft_runtime.runtime.policy.config import ClusterConfig
+    from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 
     return ClusterConfig(
         workers_per_node=2,

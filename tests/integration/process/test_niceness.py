@@ -32,7 +32,7 @@ EMBEDDED = """
 import json, os, sys
 import ray
 from sft_runtime.runtime.launch.setup import ensure_ray
-from sft_runtime.runtime.policy.config import ClusterConfig
+from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 
 ensure_ray(ClusterConfig(worker_niceness=int(sys.argv[1])))
 

@@ -231,7 +231,7 @@ def test_a_non_finite_number_is_refused_naming_its_key(tmp_path, key, value):
 def test_gpus_per_node_alone_runs_a_worker_per_gpu():
     """NeMo RL's `cluster.gpus_per_node: N`: N workers a node, one GPU each; with 0, CPU
     workers counted by `workers_per_node` (ours); both given and different: one line."""
-    from sft_runtime.runtime.policy.config import ClusterConfig
+    from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 
     assert ClusterConfig(gpus_per_node=4).world_size == 4
     assert ClusterConfig(gpus_per_node=4, num_nodes=2).world_size == 8

@@ -10,8 +10,8 @@ import torch
 from sft_runtime.runtime.checkpoint import policy_files as ckpt
 from sft_runtime.runtime.data.batch import SFTBatch
 from sft_runtime.runtime.errors import UserInputError
+from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 from sft_runtime.runtime.policy.config import (
-    ClusterConfig,
     ModelConfig,
     PolicyConfig,
     check_batch_layout,
