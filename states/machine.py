@@ -36,9 +36,9 @@ from sft_runtime.states.save_state import SFTV2SaveState, initial_save_state
 class ControllerState(Enum):
     """Member names are the names the table uses (transitions keys states by name)."""
 
-    setup = "setup"
-    loading = "loading"
-    stepping = "stepping"
+    setup = "setup"  # the attempt opens its log, the owners build their loaders
+    ready = "ready"  # between steps: the next may start (it may run in the workers already)
+    training = "training"  # the step is sent: the workers load, train and step the optimizer
     saving = "saving"
     closing = "closing"
     closed = "closed"
@@ -50,33 +50,36 @@ TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "start", "source": "setup", "dest": None, "before": "record"},
     # a resume on another number of workers: recorded after run_started, the state unchanged
     {"trigger": "placement_changed", "source": "setup", "dest": None, "before": "record"},
-    {"trigger": "loaders_ready", "source": "setup", "dest": "loading", "before": "record"},
+    {"trigger": "loaders_ready", "source": "setup", "dest": "ready", "before": "record"},
     {
         "trigger": "halt",
-        "source": "loading",
+        "source": "ready",
         "dest": "saving",
         "conditions": ["should_stop", "unsaved_steps"],
     },
-    {"trigger": "halt", "source": "loading", "dest": "closing", "conditions": "should_stop"},
-    {"trigger": "batch_loaded", "source": "loading", "dest": "stepping"},
+    {"trigger": "halt", "source": "ready", "dest": "closing", "conditions": "should_stop"},
+    # the step's call is on its way to the workers (or was sent ahead with the step before):
+    # from here to its commit the workers load its batch, train and step the optimizer, and
+    # the controller waits, then derives the step's metrics
+    {"trigger": "step_sent", "source": "ready", "dest": "training"},
     {
         "trigger": "commit",
-        "source": "stepping",
+        "source": "training",
         "dest": "saving",
         "conditions": "save_due",
         "before": "record_step",
     },
     {
         "trigger": "commit",
-        "source": "stepping",
+        "source": "training",
         "dest": "closing",
         "conditions": "should_stop",
         "before": "record_step",
     },
-    {"trigger": "commit", "source": "stepping", "dest": "loading", "before": "record_step"},
+    {"trigger": "commit", "source": "training", "dest": "ready", "before": "record_step"},
     {
         "trigger": "fail",
-        "source": ["loading", "stepping"],
+        "source": ["ready", "training"],
         "dest": "closing",
         "before": "record_abort",
     },
@@ -88,16 +91,16 @@ TRANSITIONS: list[dict[str, Any]] = [
         "conditions": "should_stop",
         "before": "record",
     },
-    {"trigger": "saved", "source": "saving", "dest": "loading", "before": "record"},
+    {"trigger": "saved", "source": "saving", "dest": "ready", "before": "record"},
     # a validation pass between steps (or at the start, or before the last save): recorded,
     # the state unchanged
     {
         "trigger": "validated",
-        "source": ["loading", "saving", "closing"],
+        "source": ["ready", "saving", "closing"],
         "dest": None,
         "before": "record",
     },
-    {"trigger": "close", "source": ["setup", "loading"], "dest": "closing"},
+    {"trigger": "close", "source": ["setup", "ready"], "dest": "closing"},
     {"trigger": "finish", "source": "closing", "dest": "closed", "after": "record_stop"},
 ]
 
@@ -116,7 +119,7 @@ class ControllerModel:
         def placement_changed(self, *, event: EventPayload) -> bool: ...
         def loaders_ready(self, *, event: EventPayload) -> bool: ...
         def halt(self) -> bool: ...
-        def batch_loaded(self) -> bool: ...
+        def step_sent(self) -> bool: ...
         def commit(self, *, event: EventPayload) -> bool: ...
         def fail(self, *, error: BaseException, phase: str = "", **ids: Any) -> bool: ...
         def saved(self, *, event: EventPayload) -> bool: ...

@@ -150,7 +150,7 @@ def end_attempt(
     if metrics is not None:
         quietly("close the metrics logger", lambda: metrics.close(reason))
     if model is not None and log is not None:
-        if model.state in (ControllerState.setup, ControllerState.loading):
+        if model.state in (ControllerState.setup, ControllerState.ready):
             quietly("close the machine", model.close)
         elif model.state is ControllerState.saving:  # only an error ends an attempt here
             failed = error if error is not None else RuntimeError(f"ended while saving: {reason}")

@@ -1,7 +1,8 @@
 """`SFTController`: the single controller's run loop, a short sequence of trigger calls.
 
-The loop reads like the recipe: set up the loaders, then while in ``loading`` halt or run
-one step, and save when the machine went to ``saving``. The table in `states.machine` says
+The loop reads like the recipe: set up the loaders, then while ``ready`` halt or run one
+step (``training`` from its send to its commit), and save when the machine went to
+``saving``. The table in `states.machine` says
 which moves exist; this module does each phase's work and fires the trigger that records
 it. `controller.actor.SFTSingleControllerActor` is this class made remote.
 """
@@ -167,7 +168,7 @@ class SFTController:
                 with traced(SETUP_SPANS["loaders"]):
                     self._setup_loaders()
                 self._validate_if_due()  # before the first step (sft.val_at_start)
-                while self._machine.state is ControllerState.loading:
+                while self._machine.state is ControllerState.ready:
                     self._check_driver()
                     self._machine.stop_requested = self._stop.is_set()
                     # a step sent ahead runs first (Pipeline); then saving, when unsaved
@@ -312,6 +313,7 @@ class SFTController:
         if self._trace is None:
             raise RuntimeError("_run_train_step runs inside its step's trace (_run_one_step)")
         sent = self.pipeline.send(step, self._trace)
+        self._machine.step_sent()
         state = replace(self._machine.save_state, total_steps=step)
         # the next step, sent now, ends about two mean steps from now: is the deadline closer?
         soon = self._machine.deadline_within(2)
@@ -329,13 +331,12 @@ class SFTController:
 
     def _load_envelopes(self, outs: list[StepStarted], step: int) -> list:
         """The owners' envelopes from the step's starts: the batch was loaded (it stays in
-        the workers), the machine moves to ``stepping``."""
+        the workers)."""
         if outs and self._trace is not None:  # a step sent ahead began when a worker took it
             self._trace.began(min(o.started_ns for o in outs))
         envelopes = [s for rank in self.group.owner_ranks for s in outs[rank].envelope.per_shard()]
         check_envelopes(envelopes, self.plan.logical_world_size)
         self._fault_after(StepPhase.loading, step)
-        self._machine.batch_loaded()
         return envelopes
 
     def _policy_metrics(self) -> dict[str, Any]:

@@ -31,11 +31,11 @@ def _run(step_times, *, deadline: float, save_s: float, save_period: int = 0):
     model.loaders_ready(event=LoadersReady(owner_ranks=[0], logical_world_size=1, restored=False))
     saves: list[float] = []
     durations = iter(step_times)
-    while model.state is S.loading:
+    while model.state is S.ready:
         if model.halt():
             break
         now[0] += next(durations)
-        model.batch_loaded()
+        model.step_sent()
         model.commit(event=step_event(model.save_state.total_steps + 1))
         if model.state is S.saving:
             now[0] += save_s

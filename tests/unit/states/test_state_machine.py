@@ -43,10 +43,10 @@ def drive(model: ControllerModel, *, fail_at: int | None = None) -> list[tuple[s
     """The loop a controller runs, firing only triggers; returns (state, step) after each."""
     trail = []
     _ready(model)
-    while model.state is S.loading:
+    while model.state is S.ready:
         if model.halt():
             break
-        model.batch_loaded()
+        model.step_sent()
         step = model.save_state.total_steps + 1
         if step == fail_at:
             model.fail(error=RuntimeError("boom"), phase="train")
@@ -64,9 +64,9 @@ def test_a_full_run_moves_through_the_table_and_records_every_event():
     model = ControllerModel(StepRules(max_steps=5, save_period=2), log=log)
     trail = drive(model)
     assert trail == [
-        ("loading", 1),
+        ("ready", 1),
         ("saving", 2),
-        ("loading", 3),
+        ("ready", 3),
         ("saving", 4),
         ("saving", 5),  # the budget is reached: a final save, then closing
     ]
@@ -78,12 +78,12 @@ def test_a_full_run_moves_through_the_table_and_records_every_event():
     assert model.save_state.total_steps == 5 and model.save_state.placement_hash == "p"
 
 
-def test_without_checkpointing_the_budget_closes_straight_from_stepping():
+def test_without_checkpointing_the_budget_closes_straight_from_training():
     model = ControllerModel(StepRules(max_steps=2, save_period=1, checkpointing=False))
-    assert drive(model) == [("loading", 1), ("closing", 2)]
+    assert drive(model) == [("ready", 1), ("closing", 2)]
 
 
-def test_a_resumed_run_at_its_budget_halts_before_loading():
+def test_a_resumed_run_at_its_budget_halts_before_its_first_step():
     from sft_runtime.states.save_state import SFTV2SaveState
 
     model = ControllerModel(StepRules(max_steps=3), save_state=SFTV2SaveState(total_steps=3))
@@ -91,7 +91,7 @@ def test_a_resumed_run_at_its_budget_halts_before_loading():
     assert model.halt() is True and model.state is S.closing
 
 
-def test_failure_in_stepping_records_step_aborted_with_the_error():
+def test_failure_in_training_records_step_aborted_with_the_error():
     log = EventLog.in_memory()
     model = ControllerModel(StepRules(max_steps=9), log=log)
     drive(model, fail_at=3)
@@ -110,10 +110,10 @@ def test_deadline_forces_a_save_then_close():
         StepRules(max_steps=100, save_period=50, deadline=10.0), clock=lambda: now[0]
     )
     _ready(model)
-    model.batch_loaded()
+    model.step_sent()
     model.commit(event=step_event(1))
-    assert model.state is S.loading
-    model.batch_loaded()
+    assert model.state is S.ready
+    model.step_sent()
     now[0] = 11.0
     model.commit(event=step_event(2))
     assert model.state is S.saving
@@ -124,7 +124,7 @@ def test_deadline_forces_a_save_then_close():
 def test_stop_request_saves_at_the_next_boundary_and_closes():
     model = ControllerModel(StepRules(max_steps=100, save_period=0))
     _ready(model)
-    model.batch_loaded()
+    model.step_sent()
     model.stop_requested = True
     model.commit(event=step_event(1))
     assert model.state is S.saving
@@ -140,19 +140,19 @@ def test_a_step_sent_ahead_defers_a_stop_and_the_deadline_but_not_a_periodic_sav
         step_ahead=lambda: ahead[0],
     )
     _ready(model)
-    model.batch_loaded()
+    model.step_sent()
     model.stop_requested, ahead[0] = True, True
     now[0] = 11.0  # past the deadline too
     assert model.stop_verdicts() == (False, False) and not model.deadline_verdict()
     model.commit(event=step_event(1))
-    assert model.state is S.loading  # on to the step sent ahead
-    model.batch_loaded()
+    assert model.state is S.ready  # on to the step sent ahead
+    model.step_sent()
     model.commit(event=step_event(2))  # the save period, with yet another step ahead
     assert model.state is S.saving
     model.saved(event=_checkpoint(model))
-    assert model.state is S.loading
+    assert model.state is S.ready
     assert model.last_saved_step == 2
-    model.batch_loaded()
+    model.step_sent()
     ahead[0] = False  # nothing more was sent: the stop and the deadline apply now
     assert model.stop_verdicts() == (True, True)
     model.commit(event=step_event(3))
@@ -164,12 +164,12 @@ def test_a_step_sent_ahead_defers_a_stop_and_the_deadline_but_not_a_periodic_sav
 @pytest.mark.parametrize(
     "state, trigger",
     [
-        ("setup", "batch_loaded"),
+        ("setup", "step_sent"),
         ("setup", "commit"),
-        ("loading", "commit"),
-        ("loading", "saved"),
-        ("stepping", "batch_loaded"),
-        ("stepping", "close"),
+        ("ready", "commit"),
+        ("ready", "saved"),
+        ("training", "step_sent"),
+        ("training", "close"),
         ("saving", "commit"),
         ("closed", "fail"),
         ("closed", "finish"),
@@ -184,7 +184,7 @@ def test_illegal_triggers_raise(state, trigger):
 
 def test_there_are_no_auto_transitions():
     model = ControllerModel(StepRules(max_steps=5))
-    assert not hasattr(model, "to_closed") and not hasattr(model, "to_loading")
+    assert not hasattr(model, "to_closed") and not hasattr(model, "to_ready")
 
 
 def test_a_failing_record_leaves_the_state_where_it_was():
@@ -196,10 +196,10 @@ def test_a_failing_record_leaves_the_state_where_it_was():
 
     model = ControllerModel(StepRules(max_steps=5), log=FullDisk.in_memory())
     _ready(model)
-    model.batch_loaded()
+    model.step_sent()
     with pytest.raises(OSError):
         model.commit(event=step_event(1))
-    assert model.state is S.stepping and model.save_state.total_steps == 0
+    assert model.state is S.training and model.save_state.total_steps == 0
     model.fail(error=OSError("disk"), phase="commit")  # the step is still abortable
     assert model.state is S.closing
 
@@ -238,9 +238,9 @@ def test_mermaid_diagram_shows_every_row_of_the_table():
 def test_a_stop_between_steps_saves_unsaved_steps_first():
     model = ControllerModel(StepRules(max_steps=100, save_period=10), log=EventLog.in_memory())
     _ready(model)
-    model.batch_loaded()
+    model.step_sent()
     model.commit(event=step_event(1))
-    assert model.state is S.loading  # step 1 is not a save step
+    assert model.state is S.ready  # step 1 is not a save step
     model.stop_requested = True
     assert model.halt() is True and model.state is S.saving
     model.saved(event=_checkpoint(model))
@@ -250,7 +250,7 @@ def test_a_stop_between_steps_saves_unsaved_steps_first():
 def test_a_stop_right_after_a_checkpoint_closes_without_saving_again():
     model = ControllerModel(StepRules(max_steps=100, save_period=1), log=EventLog.in_memory())
     _ready(model)
-    model.batch_loaded()
+    model.step_sent()
     model.commit(event=step_event(1))
     model.saved(event=_checkpoint(model))
     model.stop_requested = True
