@@ -102,7 +102,9 @@ class MasterConfig(BaseModel):
 
     model_config = STRICT
 
-    policy: PolicySection = PolicySection()
+    # a factory, not an instance: building the default checks the optimizer with torch, which
+    # the controller and the driver's imports should not pay for (190 MiB and seconds)
+    policy: PolicySection = Field(default_factory=PolicySection)
     data: DataConfig
     sft: SFTConfig = Field(default_factory=SFTConfig)
     data_plane: DataPlaneConfig = DataPlaneConfig()

@@ -186,7 +186,7 @@ def setup_sft_v2(master_config: MasterConfig, tokenizer_or_processor: Any = None
         _check_data_path(config)
         if config.policy.is_hf:  # the model folder first: it may hold the tokenizer
             from sft_runtime.runtime.policy.hf_files import check_hf_weights
-            from sft_runtime.runtime.policy.hf_model import hf_config, is_local
+            from sft_runtime.runtime.policy.model_path import hf_config, is_local
 
             hf_path = str(config.policy.model_name)
             hf = hf_config(hf_path)
@@ -307,7 +307,7 @@ def check_model_covers(config: MasterConfig, tokenizer_vocab: int) -> None:
     model, length = config.policy.model, config.data.max_input_seq_length
     name = config.policy.model_name
     if name is not None:
-        from sft_runtime.runtime.policy.hf_model import hf_config
+        from sft_runtime.runtime.policy.model_path import hf_config
 
         hf = hf_config(name)
         vocab, vocab_key = int(hf.vocab_size), f"{name}/config.json vocab_size"

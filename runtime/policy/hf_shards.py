@@ -41,7 +41,7 @@ from sft_runtime.runtime.checkpoint.weight_reader import SAFETENSORS_DTYPES
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.lora.adapters import base_name, is_adapter
 from sft_runtime.runtime.policy.hf_files import SAFE_INDEX, SAFE_WEIGHTS, read_safetensors_header
-from sft_runtime.runtime.policy.hf_model import hf_config, is_local
+from sft_runtime.runtime.policy.model_path import hf_config, is_local
 from sft_runtime.runtime.policy.packed_attention import register_packed_attention
 
 

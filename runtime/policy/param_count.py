@@ -44,7 +44,7 @@ def count_parameters(policy: PolicyConfig) -> ParameterCount:
         if policy.model_name is not None:
             from transformers import AutoModelForCausalLM
 
-            from sft_runtime.runtime.policy.hf_model import hf_config
+            from sft_runtime.runtime.policy.model_path import hf_config
 
             model = AutoModelForCausalLM.from_config(hf_config(policy.model_name))
         else:

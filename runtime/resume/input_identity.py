@@ -69,7 +69,7 @@ def _size(path: Path) -> int | None:
 def model_config_identity(path: str) -> str | None:
     """A Hugging Face model: its ``config.json`` without the keys that say where it was
     saved (a hub id stands for itself; None when a local folder has no config.json)."""
-    from sft_runtime.runtime.policy.hf_model import is_local
+    from sft_runtime.runtime.policy.model_path import is_local
 
     if not is_local(path):
         return f"hub:{path}"
@@ -86,7 +86,7 @@ def model_config_identity(path: str) -> str | None:
 def tokenizer_identity(path: str) -> str | None:
     """A Hugging Face tokenizer folder: every file but the weights and the model's config
     (None when there is no such folder)."""
-    from sft_runtime.runtime.policy.hf_model import is_local
+    from sft_runtime.runtime.policy.model_path import is_local
 
     if not is_local(path):
         return f"hub:{path}"

@@ -14,7 +14,7 @@ import torch
 
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.hf_files import check_hf_weights
-from sft_runtime.runtime.policy.hf_model import hf_config
+from sft_runtime.runtime.policy.model_path import hf_config
 from tests.support.hf_models import build_model, tiny_model
 
 WEIGHTS = "model.safetensors"

@@ -10,13 +10,13 @@ import torch
 from sft_runtime.runtime.checkpoint import policy_files
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.hf_model import (
-    hf_config,
     hf_logits,
     hf_state_dict,
     load_hf_model,
     load_hf_state_dict,
     write_hf_config,
 )
+from sft_runtime.runtime.policy.model_path import hf_config
 from tests.support.hf_models import build_model
 
 FAMILIES = ("llama", "qwen2")
