@@ -55,6 +55,7 @@ BENCHMARKS = [
     "hf_start_readers",
     "shutdown",
     "real_model",
+    "run_tree",
     "step_files",
 ]
 MARK = "bench-rows: "

@@ -11,21 +11,25 @@ Memory: every ``SAMPLE_S`` seconds the launched process and ALL its descendants 
 with psutil (RSS, ``memory_info().rss``; and PSS from ``/proc/PID/smaps_rollup`` through
 ``memory_full_info()``, which splits shared pages between the processes that map them, so
 that it adds up across a tree where RSS counts a shared library once per process). Each
-process gets a role from its command line (`role`): the driver, Ray's gcs_server, raylet,
-dashboard agent, runtime-env agent and log monitor, the controller actor, the policy
-worker, idle Ray workers, other. Rows: the peak of the tree's total (the sum at one
-sampling instant) and, per role, the peak of that role's sum.
+process gets a role from its command line (`role`): the driver; Ray's gcs_server, raylet,
+dashboard head (the API server Ray starts even with ``include_dashboard=False``), dashboard
+agent, runtime-env agent, autoscaler monitor and log monitor; the controller actor, the
+policy worker, idle Ray workers (prestarted ones, and any worker while it imports an actor's
+class before it takes the actor's name), other. Rows: the peak of the tree's total (the sum
+at one sampling instant), per role the peak of that role's sum, the workers Ray started
+that never got an actor, and what sits beside the policy worker at the tree's peak.
 
-Time: launch to exit, less the steps. A step's time is the interval between consecutive
-commits (``step_committed`` in ``DIR/events.jsonl``; TRL: ``on_step_end``); the steps'
-time is the span from the first commit to the last plus one median interval (the first
-step at the steady rate; what the first step takes beyond that is warm-up, counted
-outside). The outside time is split at the run's events: launch -> ``run_started``
-(imports, config, Ray start, actors, the model load in the worker's constructor),
--> ``loaders_ready``, -> the first commit less one step (warm-up), the last commit ->
-``run_stopped``, -> the driver's exit (shutdown). Within the first phase, the first moment
+Time: launch to exit, less the steps. The steps run from ``loaders_ready`` to the last
+``step_committed`` in ``DIR/events.jsonl`` (TRL: from ``on_train_begin`` to the last
+``on_step_end``), the first step's warm-up included on both sides (a row shows how much
+longer the first step took than the median of the others; a busy spell of the machine moves
+that a lot, so it is not counted as outside). The outside time is split at the run's
+events: launch -> ``run_started`` (imports, config, Ray start, actors, the model load in
+the worker's constructor), -> ``loaders_ready``, the last commit -> ``run_stopped``, ->
+the driver's exit (shutdown). Within the first phase, the first moment
 a process of a role is seen marks when Ray came up and when each actor began. Alone, in
-fresh processes: importing what ``sft-runtime train`` imports before it starts Ray, and
+fresh processes: importing the modules ``sft-runtime train`` imports before it reads the
+config (torch and transformers come later, with the config's checks), and
 ``ray.init`` + ``ray.shutdown`` as `ensure_ray` calls them (with that Ray's own tree peak).
 
 No target: the ratios sft-runtime / TRL are printed (the issue's informal goal is to
@@ -62,8 +66,8 @@ SAMPLE_S = 0.15
 RAY_IDLE_S = h.pick(2.0, 0.5)  # Ray alone: how long it stays up, idle, to be sampled
 CLI = Path(sys.executable).parent / "sft-runtime"
 MARK = "run-tree: "  # a child's result line
-# what `sft-runtime train` imports before it reads the config and starts Ray: the CLI, the
-# config, the driver (ray) and the progress display
+# what `sft-runtime train` imports before it reads the config: the CLI, the config, the
+# driver (ray) and the progress display
 TRAIN_IMPORTS = (
     "import sft_runtime.runtime.cli.main, sft_runtime.runtime.config, "
     "sft_runtime.runtime.launch.driver, rich.progress"
@@ -128,7 +132,15 @@ class Tree:
     at_peak: dict[str, float] = field(default_factory=dict)  # RSS by role at the total's peak
     first_seen: dict[str, float] = field(default_factory=dict)  # unix time
     others: set[str] = field(default_factory=set)  # command lines of role "other"
+    pid_roles: dict[int, list[str]] = field(default_factory=dict)  # each process's roles in turn
+    pid_rss: dict[int, float] = field(default_factory=dict)  # each process's peak
     samples: int = 0
+
+    def unused_idle(self) -> tuple[int, float]:
+        """(how many, summed peak RSS) of the Ray workers that stayed idle all along: started
+        ahead (prestarted) but never given an actor."""
+        idle = [pid for pid, roles in self.pid_roles.items() if roles == ["idle ray worker"]]
+        return len(idle), sum(self.pid_rss[pid] for pid in idle)
 
 
 class TreeSampler:
@@ -181,6 +193,8 @@ class TreeSampler:
         for proc in self._members():
             try:
                 cmdline = proc.cmdline()
+                if not cmdline:
+                    continue  # exiting (a zombie): no memory left
                 name = role(cmdline, proc.pid == self.root.pid)
                 mem = proc.memory_full_info()  # rss and pss, from smaps_rollup
             except psutil.Error:
@@ -190,6 +204,10 @@ class TreeSampler:
             count[name] = count.get(name, 0) + 1
             if name == "other":
                 self.tree.others.add(" ".join(cmdline)[:120])
+            self.tree.pid_rss[proc.pid] = max(self.tree.pid_rss.get(proc.pid, 0.0), mem.rss / 2**20)
+            seen = self.tree.pid_roles.setdefault(proc.pid, [])
+            if not seen or seen[-1] != name:
+                seen.append(name)
         t = self.tree
         t.samples += 1
         for name in rss:
@@ -230,11 +248,11 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def _steps(ends: list[float]) -> tuple[float, float]:
-    """(seconds of the steps, median step) from the steps' end times (the first step at the
-    median's rate)."""
+def _steps(begin: float, ends: list[float]) -> dict[str, float]:
+    """The steps from their start and each one's end: their seconds, the median step after
+    the first, and how much longer the first took (warm-up)."""
     median = statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
-    return ends[-1] - ends[0] + median, median
+    return {"steps_s": ends[-1] - begin, "step_s": median, "warmup_s": ends[0] - begin - median}
 
 
 # ----------------------------------------------------------------------------- sft-runtime
@@ -266,13 +284,11 @@ def runtime_side(
     commits = [r.time for r in records if r.type == "step_committed"]
     if len(commits) != setup.steps:
         raise RuntimeError(f"{len(commits)} steps committed, {setup.steps} expected")
-    steps_s, median = _steps(commits)
     start, end = got["start"], got["end"]
     phases = {
         "launch -> run_started (imports, config, Ray, actors, model load)": first["run_started"]
         - start,
         "run_started -> loaders_ready": first["loaders_ready"] - first["run_started"],
-        "first step beyond a steady step (warm-up)": commits[0] - first["loaders_ready"] - median,
         "last step -> run_stopped": first["run_stopped"] - commits[-1],
         "run_stopped -> exit (shutdown)": end - first["run_stopped"],
     }
@@ -288,8 +304,7 @@ def runtime_side(
             marks[label] = seen[name] - start
     return {
         "wall_s": end - start,
-        "steps_s": steps_s,
-        "step_s": median,
+        **_steps(first["loaders_ready"], commits),
         "phases": phases,
         "marks": marks,
         "tree": got["tree"],
@@ -297,7 +312,7 @@ def runtime_side(
 
 
 def import_side(env: dict[str, str], scratch: Path) -> dict[str, Any]:
-    """Importing what `sft-runtime train` imports before Ray starts, in a fresh process:
+    """Importing what `sft-runtime train` imports before it reads the config, in a fresh process:
     the interpreter's start and the imports, from launch to exit."""
     code = f"import time; t = time.time(); {TRAIN_IMPORTS}; print({MARK!r} + str(time.time() - t))"
     got = launched([sys.executable, "-c", code], env, scratch / "imports.log")
@@ -341,19 +356,16 @@ def trl_side(setup_file: Path, scratch: Path, env: dict[str, str]) -> dict[str, 
     )
     marks = got["result"]
     ends = marks["step_ends"]
-    steps_s, median = _steps(ends)
     start, end = got["start"], got["end"]
     phases = {
         "launch -> SFTTrainer() (imports, tokenizer, model load)": marks["init_begin"] - start,
         "SFTTrainer() (data set tokenized, accelerate)": marks["init_end"] - marks["init_begin"],
         "SFTTrainer() -> train begins": marks["train_begin"] - marks["init_end"],
-        "first step beyond a steady step (warm-up)": ends[0] - marks["train_begin"] - median,
         "last step -> exit": end - ends[-1],
     }
     return {
         "wall_s": end - start,
-        "steps_s": steps_s,
-        "step_s": median,
+        **_steps(marks["train_begin"], ends),
         "phases": phases,
         "tree": got["tree"],
     }
@@ -389,7 +401,9 @@ def trl_child(setup_file: str, work: str) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- rows
 def _vs_trl(name: str, ours: float, trl: float, unit: str) -> Row:
-    return Row(name=name, value=ours, unit=unit, reference=trl, ratio=ours / trl)
+    return Row(
+        name=name, value=ours, unit=unit, reference=trl, ratio=ours / trl if trl > 0 else None
+    )
 
 
 def _rows(ours: dict, trl: dict, imports: dict, ray_alone: dict, setup: Setup) -> list[Row]:
@@ -419,7 +433,15 @@ def _rows(ours: dict, trl: dict, imports: dict, ray_alone: dict, setup: Setup) -
             trl["wall_s"],
             "s",
         ),
-        _vs_trl("steady step, sft-runtime vs TRL", ours["step_s"], trl["step_s"], "s"),
+        _vs_trl(
+            "median step after the first, sft-runtime vs TRL", ours["step_s"], trl["step_s"], "s"
+        ),
+        _vs_trl(
+            "first step less that median (warm-up; in the steps), sft-runtime vs TRL",
+            ours["warmup_s"],
+            trl["warmup_s"],
+            "s",
+        ),
     ]
     # where the memory goes: each role's own peak (its processes summed at one instant)
     for name in ROLES:
@@ -429,6 +451,14 @@ def _rows(ours: dict, trl: dict, imports: dict, ray_alone: dict, setup: Setup) -
                 f"at the tree's peak {tree.at_peak.get(name, 0.0):,.0f})"
             )
             rows.append(Row(name=label, value=tree.role_rss[name], unit="MiB"))
+    unused, unused_rss = tree.unused_idle()
+    rows.append(
+        Row(
+            name=f"RSS of Ray workers started but never given an actor x{unused}",
+            value=unused_rss,
+            unit="MiB",
+        )
+    )
     beside = tree.peak_rss - tree.at_peak.get("policy worker", 0.0)
     rows.append(
         Row(name="RSS beside the policy worker at the tree's peak", value=beside, unit="MiB")
@@ -448,7 +478,7 @@ def _rows(ours: dict, trl: dict, imports: dict, ray_alone: dict, setup: Setup) -
     ]
     rows += [
         Row(
-            name="time alone: python + `sft-runtime train`'s imports",
+            name="time alone: python + the CLI's imports (before the config is read)",
             value=imports["wall_s"],
             unit="s",
         ),
