@@ -103,7 +103,7 @@ class MasterConfig(BaseModel):
     model_config = STRICT
 
     # a factory, not an instance: building the default checks the optimizer with torch, which
-    # the controller and the driver's imports should not pay for (190 MiB and seconds)
+    # importing the config (in the controller, say) should not pay for (190 MiB and seconds)
     policy: PolicySection = Field(default_factory=PolicySection)
     data: DataConfig
     sft: SFTConfig = Field(default_factory=SFTConfig)

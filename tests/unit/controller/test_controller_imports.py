@@ -1,8 +1,11 @@
-"""The controller's process never imports torch: its loop drives workers, it trains nothing.
+"""The controller's own code never imports torch: its loop drives workers, it trains nothing.
 
-torch costs a process about 190 MiB and seconds of import; a user's tree holds the
-controller beside the workers for the whole run. The config is built here and handed over
-pickled, as Ray hands it to the controller actor (unpickling a config checks nothing again).
+torch costs a process about 190 MiB and seconds of import. In a real run Ray still loads
+the worker's actor class (and with it torch) when the controller unpickles the workers'
+handles (`ray.actor.ActorHandle._deserialization_helper` fetches the class from the GCS),
+so this keeps the loop, the config and the resume checks from adding imports of their own.
+The config is built here and handed over pickled, as Ray hands it to the controller actor
+(unpickling a config checks nothing again).
 """
 
 from __future__ import annotations
