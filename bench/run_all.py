@@ -30,6 +30,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # energon's buffer-filling progress bars
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +59,19 @@ BENCHMARKS = [
     "run_tree",
     "step_files",
 ]
+# smoke seconds of the longest benchmarks (run_all --smoke, 2 lanes, 2 cores): started first
+# so that two lanes end together rather than one running the last long one alone
+SMOKE_SECONDS = {
+    "hf_step": 63,
+    "run_tree": 50,
+    "load_memory": 50,
+    "resume": 39,
+    "shutdown": 32,
+    "prefetch": 30,
+    "overhead": 28,
+    "step_files": 20,
+    "scaling": 19,
+}
 MARK = "bench-rows: "
 # Smoke figures mean nothing, so two benchmarks may share the machine: a good part of each
 # is one process starting up (imports, a Ray actor) while the other core has nothing to do.
@@ -111,10 +125,13 @@ def run_each(lanes: int = 1) -> tuple[list[str], list[str]]:
     names = [name for name in BENCHMARKS if (ROOT / "bench" / f"{name}.py").exists()]
     sections, failed = [], []
     with ThreadPoolExecutor(lanes) as pool:
-        ahead = [pool.submit(_child, name) for name in names] if lanes > 1 else []
-        for i, name in enumerate(names):
+        ahead: dict[str, Any] = {}
+        if lanes > 1:
+            for name in sorted(names, key=lambda n: -SMOKE_SECONDS.get(n, 0)):
+                ahead[name] = pool.submit(_child, name)
+        for name in names:
             print(f"== bench/{name}.py", flush=True)
-            done, took = ahead[i].result() if ahead else _child(name)
+            done, took = ahead[name].result() if ahead else _child(name)
             marked = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
             rows = json.loads(marked[-1][len(MARK) :]) if marked else []
             if done.returncode or not rows:  # one broken benchmark must not hide the others
