@@ -26,16 +26,23 @@ def _hwm_kib(pid: int) -> int:
     return 0
 
 
+def actor_role(cmd: str) -> str | None:
+    """``"worker"`` or ``"controller"`` for the command line of a run's actor process (Ray
+    renames it after the actor's class), else None."""
+    if "PolicyWorker" in cmd:
+        return "worker"
+    if "SFTController" in cmd or "SFTSingleController" in cmd:
+        return "controller"
+    return None
+
+
 def process_role(proc) -> str | None:
     try:
         cmd = " ".join(proc.cmdline())
     except Exception:  # noqa: BLE001 - gone
         return None
-    if "PolicyWorker" in cmd:
-        return f"worker:{proc.pid}"
-    if "SFTController" in cmd or "SFTSingleController" in cmd:
-        return "controller"
-    return None
+    role = actor_role(cmd)
+    return f"worker:{proc.pid}" if role == "worker" else role
 
 
 def cli_run(config_path: Path, run_dir: Path) -> dict:

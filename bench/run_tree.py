@@ -56,6 +56,7 @@ if not __package__:  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as h  # noqa: E402
+from bench.cli_runs import actor_role  # noqa: E402
 from bench.real_model_sides import Setup, runtime_config  # noqa: E402
 from bench.table import Row  # noqa: E402
 
@@ -108,10 +109,9 @@ def role(cmdline: list[str], is_root: bool) -> str:
     if binary in ("raylet", "gcs_server"):
         return binary
     cmd = " ".join(cmdline)
-    if "PolicyWorker" in cmd:
-        return "policy worker"
-    if "SFTController" in cmd or "SFTSingleController" in cmd:
-        return "controller"
+    actor = actor_role(cmd)
+    if actor is not None:
+        return "policy worker" if actor == "worker" else actor
     for script, name in RAY_SCRIPTS:
         if script in cmd:
             return name
