@@ -1,5 +1,6 @@
-"""The `sft-runtime` command, one module per command group; `main` is the console script."""
+"""The `sft-runtime` command, one module per command group. `console` is the console script;
+`main` is what a program embedding the runtime calls."""
 
-from sft_runtime.runtime.cli.main import main
+from sft_runtime.runtime.cli.main import console, main
 
-__all__ = ["main"]
+__all__ = ["console", "main"]

@@ -85,5 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
+def console() -> None:
+    """The `sft-runtime` console script: `main`, then an exit that skips the interpreter's
+    teardown (see runtime/process/exit_now.py)."""
+    from sft_runtime.runtime.process.exit_now import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

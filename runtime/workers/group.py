@@ -263,8 +263,7 @@ def _is_peer(exc: BaseException) -> bool:
 
 
 def _worker_class() -> Any:
-    """The actor class, imported on first use: unpickling a group (in the controller) then
-    needs no torch."""
-    from sft_runtime.runtime.workers.worker import PolicyWorker
+    """The actor class, imported on first use."""
+    from sft_runtime.runtime.workers.actor import POLICY_WORKER
 
-    return PolicyWorker
+    return POLICY_WORKER

@@ -1,6 +1,7 @@
-"""`PolicyWorker`: the Ray actor that holds one data-parallel replica and its loader.
+"""`PolicyWorkerBase`: one data-parallel replica and its loader, inside a worker actor.
 
-One actor per DP rank. The batch a rank trains on is built by its own colocated loader
+One per DP rank, built by the Ray actor `runtime.workers.actor.PolicyWorker`, which hands it
+every call. The batch a rank trains on is built by its own colocated loader
 (a `BatchSource` made from a picklable zero-arg factory) and never leaves the process; the
 controller only sees `StepEnvelope`s and the frozen records of `runtime.workers.results`.
 
@@ -69,11 +70,9 @@ from sft_runtime.traces.spans import (
     traced,
 )
 
-WRITES_GROUP = "checkpoint_writes"  # the actor's concurrency group of `checkpoint_written`
-
 
 class PolicyWorkerBase:
-    """The worker's logic; `PolicyWorker` is its Ray actor class."""
+    """The worker's logic; `runtime.workers.actor.PolicyWorker` is its Ray actor class."""
 
     def __init__(
         self,
@@ -378,7 +377,6 @@ class PolicyWorkerBase:
             weights_path, optimizer_path, tokenizer_path, is_final_checkpoint, rng_path=rng_path
         )
 
-    @ray.method(concurrency_group=WRITES_GROUP)  # not queued behind the steps
     def checkpoint_written(
         self, weights_path: str, *, _otel_carrier: dict | None = None
     ) -> CheckpointFiles:
@@ -418,9 +416,3 @@ def _in_phase(exc: Exception, phase: StepPhase) -> Exception:
     """Tag an error with the step phase it happened in (pickled with it across Ray)."""
     setattr(exc, "sft_phase", phase.value)  # noqa: B010 - an attribute Exception does not declare
     return exc
-
-
-# ray.remote's typed overloads leave out actor options (concurrency_groups, ...) it accepts
-PolicyWorker = ray.remote(  # pyright: ignore[reportCallIssue]
-    concurrency_groups={WRITES_GROUP: 1}, enable_task_events=False
-)(PolicyWorkerBase)

@@ -202,6 +202,9 @@ def test_a_resume_after_a_kill_is_bit_for_bit(
     proc, tag = runner.start("stepping:after_record@3", hold=hold)
     where = runner.wait_held(proc, tag, hold)  # step 3 is durable in the log: pull the plug
     assert where["point"] == "stepping:after_record" and where["step"] == 3
+    # the controller drives the workers through their handles and holds no torch of its own
+    controller_maps = Path(f"/proc/{where['pid']}/maps").read_text()
+    assert "libtorch" not in controller_maps and "libc" in controller_maps
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     reap(tag)

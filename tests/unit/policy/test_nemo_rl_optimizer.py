@@ -4,12 +4,15 @@ one line for every shape that is not NeMo RL's."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.config import ModelConfig, PolicyConfig, parse_section
-from sft_runtime.runtime.policy.schedule import LrSchedule
+from sft_runtime.runtime.policy.schedule import LrSchedule, check_optimizer
 from tests.support import sources
 from tests.support.policy_steps import nemo_rl_optimizer, reference_losses
 
@@ -160,3 +163,28 @@ def test_what_is_not_nemo_rls_shape_is_one_line_naming_the_key(policy, message):
     with pytest.raises(UserInputError) as info:
         parse_section(PolicyConfig, policy, "policy")
     assert message in str(info.value), str(info.value)
+
+
+def test_a_good_optimizer_is_checked_without_torchs_compiler():
+    # a parameter group imports torch._dynamo (about 1 s); the check of plain numbers does not
+    # need one, and still refuses what the worker's build would refuse
+    code = (
+        "import sys\n"
+        "from sft_runtime.runtime.policy.schedule import check_optimizer\n"
+        "check_optimizer('torch.optim.AdamW', {'lr': 1e-3, 'betas': [0.9, 0.98]})\n"
+        "check_optimizer('torch.optim.SGD', {'lr': 0.1, 'momentum': 0.9})\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "try:\n"
+        "    check_optimizer('torch.optim.AdamW', {'lr': 1e-3, 'eps': -1.0})\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    dynamo, refusal = out.stdout.splitlines()
+    assert dynamo == "False"
+    assert refusal.startswith("torch.optim.AdamW(lr=0.001, eps=-1.0) cannot be built: Invalid eps")
+
+
+def test_a_flag_torch_checks_late_is_still_refused_before_ray():
+    with pytest.raises(ValueError, match="`fused` and `foreach` cannot be `True` together"):
+        check_optimizer("torch.optim.AdamW", {"lr": 1e-3, "fused": True, "foreach": True})
