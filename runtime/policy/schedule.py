@@ -111,11 +111,9 @@ def check_optimizer(name: str, kwargs: Mapping[str, Any]) -> None:
     params = [torch.nn.Parameter(torch.zeros(1))] if late else []
     try:
         build_optimizer(params, name, kwargs)
-    except ValueError as exc:
-        if not params and str(exc) == _NO_PARAMETERS:
+    except (TypeError, ValueError, RuntimeError) as exc:
+        if not params and isinstance(exc, ValueError) and str(exc) == _NO_PARAMETERS:
             return
-        raise ValueError(f"{name}({_shown(kwargs)}) cannot be built: {exc}") from None
-    except (TypeError, RuntimeError) as exc:
         raise ValueError(f"{name}({_shown(kwargs)}) cannot be built: {exc}") from None
 
 

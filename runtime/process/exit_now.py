@@ -24,7 +24,8 @@ def exit_now(code: int) -> NoReturn:
     A thread the normal exit would wait for (one that is not a daemon) keeps the normal exit:
     ending the process under it could lose what it is writing.
     """
-    if any(t.is_alive() and not t.daemon for t in _others()):
+    main = threading.main_thread()
+    if any(t is not main and t.is_alive() and not t.daemon for t in threading.enumerate()):
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -33,8 +34,3 @@ def exit_now(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
             pass
     os._exit(code)
-
-
-def _others() -> list[threading.Thread]:
-    main = threading.main_thread()
-    return [t for t in threading.enumerate() if t is not main]

@@ -27,6 +27,7 @@ from sft_runtime.runtime.errors import PeerStepError, UserInputError
 from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 from sft_runtime.runtime.policy.config import PolicyConfig, check_batch_layout, parse_section
 from sft_runtime.runtime.process.faults import actor_fault_options
+from sft_runtime.runtime.workers.actor import POLICY_WORKER
 from sft_runtime.runtime.workers.actor_exit import kill_and_wait
 from sft_runtime.runtime.workers.calls import CheckpointLoad, Pending, Ranks, WorkerCalls
 from sft_runtime.runtime.workers.cluster import (
@@ -97,18 +98,14 @@ class PolicyWorkerGroup(WorkerCalls):
                 placement_group_bundle_index=rank,
                 placement_group_capture_child_tasks=False,
             )
-            actor = (
-                _worker_class()
-                .options(
-                    num_cpus=self.cluster.cpus_per_worker,
-                    num_gpus=self.cluster.gpus_per_worker,
-                    scheduling_strategy=strategy,
-                    max_restarts=0,
-                    max_task_retries=0,
-                    **actor_fault_options(),
-                )
-                .remote(rank, self.world_size, self.policy, self.cluster, seed)
-            )
+            actor = POLICY_WORKER.options(
+                num_cpus=self.cluster.cpus_per_worker,
+                num_gpus=self.cluster.gpus_per_worker,
+                scheduling_strategy=strategy,
+                max_restarts=0,
+                max_task_retries=0,
+                **actor_fault_options(),
+            ).remote(rank, self.world_size, self.policy, self.cluster, seed)
             self.workers.append(actor)
 
     # ----------------------------------------------------------------- layout
@@ -260,10 +257,3 @@ def _failure(method: str, failures: list[tuple[int, BaseException]]) -> PolicyWo
 
 def _is_peer(exc: BaseException) -> bool:
     return isinstance(getattr(exc, "cause", None) or exc, PeerStepError)
-
-
-def _worker_class() -> Any:
-    """The actor class, imported on first use."""
-    from sft_runtime.runtime.workers.actor import POLICY_WORKER
-
-    return POLICY_WORKER
