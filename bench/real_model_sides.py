@@ -140,7 +140,6 @@ def train_runtime(setup: Setup, work: Path) -> Result:
     loader = ColocatedLoader(loader_spec(config, 1), 0, 1, "bench")
     loader.setup()
     replica = Replica(config.policy, seed=setup.seed, device=torch.device("cpu"))
-    multiple = config.policy.make_sequence_length_divisible_by
     per_step = []
     try:
         for _ in range(setup.steps):
@@ -156,8 +155,8 @@ def train_runtime(setup: Setup, work: Path) -> Result:
             t3 = time.perf_counter()
             computed = 0
             for start in range(0, batch.num_rows, setup.micro):
-                mb = batch.rows(start, min(start + setup.micro, batch.num_rows)).trimmed(multiple)
-                computed += mb.input_ids.numel()
+                rows = batch.rows(start, min(start + setup.micro, batch.num_rows))
+                computed += replica.forward_rows(rows).input_ids.numel()
             per_step.append(
                 {
                     "step_s": t3 - t0,

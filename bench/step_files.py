@@ -25,8 +25,12 @@ CENSUS_STEP = 4  # past the first steps (the pipeline is full), no save near it
 TARGET = 20
 
 
-def census(data: Path, tmp: Path) -> dict[str, list[str]]:
-    """role -> files of one run's step ``CENSUS_STEP``."""
+FUNCTIONS_ENV = "SFT_STEP_FILES_FUNCTIONS"  # set: list each file's functions that ran too
+
+
+def census(data: Path, tmp: Path) -> dict[str, dict[str, list[str]]]:
+    """role -> the files and the functions (``file:qualname``) of one run's step
+    ``CENSUS_STEP``."""
     from sft_runtime.runtime.process.step_census import ENV
 
     out = tmp / "census"
@@ -38,7 +42,7 @@ def census(data: Path, tmp: Path) -> dict[str, list[str]]:
         h.runtime_run(raw)
     finally:
         del os.environ[ENV]
-    found = {p.stem: json.loads(p.read_text())["files"] for p in sorted(out.glob("*.json"))}
+    found = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
     if "controller" not in found or not any(r.startswith("worker") for r in found):
         raise RuntimeError(f"the census wrote {sorted(found)}: a process did not record")
     return found
@@ -47,13 +51,17 @@ def census(data: Path, tmp: Path) -> dict[str, list[str]]:
 def run() -> list[dict]:
     with h.workspace() as (data, tmp):
         found = census(data, tmp)
-    controller = set(found["controller"])
-    workers = set().union(*(set(v) for k, v in found.items() if k.startswith("worker")))
+    controller = set(found["controller"]["files"])
+    workers = {f for k, v in found.items() if k.startswith("worker") for f in v["files"]}
+    functions = {f for v in found.values() for f in v["functions"]}
     union = controller | workers
     print("files of one step (c: controller, w: workers):", file=sys.stderr)
     for name in sorted(union):
         where = ("c" if name in controller else " ") + ("w" if name in workers else " ")
         print(f"  {where} {name}", file=sys.stderr)
+        if os.environ.get(FUNCTIONS_ENV):
+            for entry in sorted(f for f in functions if f.partition(":")[0] == name):
+                print(f"        {entry.partition(':')[2]}", file=sys.stderr)
     return [
         h.row("step files, both processes", len(union), "files", target=f"<= {TARGET}", ok=None),
         h.row("step files, controller", len(controller), "files"),

@@ -131,6 +131,43 @@ class SFTBatch:
             refused_samples=self.refused_samples,
         )
 
+    def joined(self, multiple: int = 1, round_to: int = 1) -> SFTBatch:
+        """The rows' tokens end to end as one row, without the padding at their ends, the
+        total rounded up to a multiple of `round_to`, then of `multiple` (one padding
+        segment). Packed rows run this way compute no padding position: each sample stays
+        its own segment (`packed_attention` keeps it to itself) and the first token of a
+        sample is never a target, so no prediction crosses from one row into the next. Only
+        rounding separates its loss from the rows'."""
+        import torch
+
+        ends = [bounds[-1] for bounds in self.cu_seqlens]
+        total = sum(ends)
+        rounded = -(-max(total, 1) // round_to) * round_to
+        pad = -(-rounded // multiple) * multiple - total
+        offsets, cu_seqlens, segments = 0, [0], []
+        for r, bounds in enumerate(self.cu_seqlens):
+            segments.append(self.segment_ids[r, : ends[r]] + offsets)
+            offsets += len(bounds) - 1
+            base = cu_seqlens[-1]
+            cu_seqlens.extend(base + b for b in bounds[1:])
+
+        def end_to_end(rows: torch.Tensor | list[torch.Tensor], fill: float) -> torch.Tensor:
+            parts = [rows[r, :e] for r, e in enumerate(ends)] if torch.is_tensor(rows) else rows
+            tail = [torch.full((pad,), fill, dtype=parts[0].dtype, device=parts[0].device)]
+            return torch.cat(parts + tail if pad else parts).unsqueeze(0)
+
+        return SFTBatch(
+            input_ids=end_to_end(self.input_ids, 0),
+            loss_mask=end_to_end(self.loss_mask, 0.0),
+            position_ids=end_to_end(self.position_ids, 0),
+            segment_ids=end_to_end(segments, -1),
+            cu_seqlens=[cu_seqlens],
+            source_ids=self.source_ids,
+            sequence_lengths=self.sequence_lengths,
+            overlong_ids=self.overlong_ids,
+            refused_samples=self.refused_samples,
+        )
+
 
 def _reduce_between_processes(batch: SFTBatch) -> tuple[Any, tuple]:
     """How an energon worker process hands a batch to the loader that trains on it: the

@@ -202,18 +202,15 @@ class Replica:
         if step.trained:
             raise RuntimeError("train_step called twice in one step")
         self.model.train()
-        multiple = self.policy.make_sequence_length_divisible_by
-        dynamic = self.policy.dynamic_batching
-        round_to = dynamic.sequence_length_round if dynamic.enabled else 1
         t_all = time.perf_counter()
         batch = ordered.to(self.device)  # once, not per micro-batch (no copy on the CPU)
         loss_error: Exception | None = None
         for k in range(passes):
             if k >= len(spans):  # a pass that only keeps the peers' collectives
-                mb = batch.rows(0, 1).trimmed(multiple)
+                mb = self.forward_rows(batch.rows(0, 1))
                 mb = replace(mb, loss_mask=torch.zeros_like(mb.loss_mask))
-            else:  # no forward over columns that are padding in every row of this micro-batch
-                mb = batch.rows(*spans[k]).trimmed(multiple, round_to)
+            else:
+                mb = self.forward_rows(batch.rows(*spans[k]))
             t0 = time.perf_counter()
             with self.autocast():
                 logits = forward_logits(self.model, mb)
@@ -226,7 +223,7 @@ class Replica:
                 loss, metrics = logits.sum() * 0.0, None  # the peers' collectives still match
             loss.backward()
             if metrics is not None and k < len(spans):
-                metrics["rows"] = float(mb.num_rows)
+                metrics["rows"] = float(spans[k][1] - spans[k][0])
                 metrics["forward_backward_s"] = time.perf_counter() - t0
                 step.micro_batches.append(metrics)
         if self.sharded:
@@ -324,6 +321,18 @@ class Replica:
         self.model.zero_grad(set_to_none=True)
         self._open = None
         return StepUndone(aborted=was_open, step=self.steps_done)
+
+    def forward_rows(self, rows: SFTBatch) -> SFTBatch:
+        """A micro-batch's rows as its forward pass takes them. An HF model attends per
+        sample (`packed_attention`), so its packed rows run end to end with no padding;
+        otherwise no forward runs over columns that are padding in every row (the built-in
+        model masks T x T, which joining the rows would enlarge)."""
+        multiple = self.policy.make_sequence_length_divisible_by
+        dynamic = self.policy.dynamic_batching
+        round_to = dynamic.sequence_length_round if dynamic.enabled else 1
+        if self.is_hf and rows.packed:
+            return rows.joined(multiple, round_to)
+        return rows.trimmed(multiple, round_to)
 
     # ----------------------------------------------------------------- helpers
     def _micro_batches(self, batch: SFTBatch) -> tuple[SFTBatch, list[tuple[int, int]]]:

@@ -32,13 +32,14 @@ def step_census(role: str, step: int) -> Iterator[None]:
         return
     root = str(ROOT) + os.sep
     skip = (os.path.join(root, ".venv"), __file__)  # a venv inside the checkout; this file
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
-            name = frame.f_code.co_filename
+            code = frame.f_code
+            name = code.co_filename
             if name.startswith(root) and not name.startswith(skip) and "site-packages" not in name:
-                seen.add(name)
+                seen.add((name, code.co_qualname))
 
     previous = sys.getprofile()
     sys.setprofile(profile)
@@ -46,6 +47,8 @@ def step_census(role: str, step: int) -> Iterator[None]:
         yield
     finally:
         sys.setprofile(previous)
-        files = sorted(os.path.relpath(name, ROOT) for name in seen)
+        functions = sorted(f"{os.path.relpath(name, ROOT)}:{qual}" for name, qual in seen)
+        files = sorted({entry.partition(":")[0] for entry in functions})
         Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, f"{role}.json").write_text(json.dumps({"step": step, "files": files}))
+        record = {"step": step, "files": files, "functions": functions}
+        Path(out, f"{role}.json").write_text(json.dumps(record))
