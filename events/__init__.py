@@ -14,7 +14,6 @@ from sft_runtime.events.lineage import (
     records_in_effect,
 )
 from sft_runtime.events.log import EventLog, open_log, read_log
-from sft_runtime.events.record import Record
 from sft_runtime.events.schemas import (
     EVENT_TYPES,
     CheckpointSaved,
@@ -22,6 +21,7 @@ from sft_runtime.events.schemas import (
     LoadersReady,
     LogRepaired,
     PlacementChanged,
+    Record,
     RunStarted,
     RunStopped,
     StepAborted,

@@ -19,7 +19,7 @@ from typing import Any
 
 from sft_runtime.events.errors import LineageError
 from sft_runtime.events.log import EventLog, LogReader, read_log
-from sft_runtime.events.record import Record
+from sft_runtime.events.schemas import Record
 
 LogLike = str | Path | EventLog | LogReader | Iterable[Record]
 _STEP_TYPES = ("step_committed", "checkpoint_saved", "validation_completed")

@@ -18,9 +18,15 @@ from pathlib import Path
 import orjson
 
 from sft_runtime.events.errors import EventLogError, EventLogLocked
-from sft_runtime.events.record import _SUFFIX_LEN, Record, encode
 from sft_runtime.events.scan import ScanState, scan_lines
-from sft_runtime.events.schemas import EventPayload, LogRepaired, json_safe
+from sft_runtime.events.schemas import (
+    _SUFFIX_LEN,
+    EventPayload,
+    LogRepaired,
+    Record,
+    encode,
+    json_safe,
+)
 
 _RUN_STARTED = b'"type":"run_started"'
 _TAIL_BYTES = 1 << 20  # far more than one record

@@ -17,8 +17,16 @@ from pathlib import Path
 import orjson
 
 from sft_runtime.events.errors import EventLogCorrupted
-from sft_runtime.events.record import _DIGEST_PREFIX, _SUFFIX_LEN, GENESIS, Record
-from sft_runtime.events.schemas import EVENT_TYPES, VERSIONS, parse_payload, upcast
+from sft_runtime.events.schemas import (
+    _DIGEST_PREFIX,
+    _SUFFIX_LEN,
+    EVENT_TYPES,
+    GENESIS,
+    VERSIONS,
+    Record,
+    parse_payload,
+    upcast,
+)
 
 _sha256 = hashlib.sha256
 _new_record = tuple.__new__  # Record(...) without the named tuple's Python-level __new__

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sft_runtime.events.record import Record
+from sft_runtime.events.schemas import Record
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import BinaryIO
 import orjson
 
 from sft_runtime.events.log import _RUN_STARTED, LogReader, _marked_lines
-from sft_runtime.events.record import _SUFFIX_LEN, Record
 from sft_runtime.events.scan import ScanState, scan_lines
+from sft_runtime.events.schemas import _SUFFIX_LEN, Record
 
 _BUFFER = 1 << 20
 

@@ -9,11 +9,12 @@ from sft_runtime.states.machine import (
     TRANSITIONS,
     ControllerModel,
     ControllerState,
+    StepInFlight,
+    StepPhase,
     build_machine,
 )
 from sft_runtime.states.rules import StepRules
 from sft_runtime.states.save_state import SFTV2SaveState, initial_save_state
-from sft_runtime.states.step import StepInFlight, StepPhase
 
 __all__ = [
     "STATES",

@@ -16,10 +16,10 @@ from typing import Any
 
 from sft_runtime.events.errors import LineageError
 from sft_runtime.events.lineage import LogLike, records_in_effect, records_in_time
-from sft_runtime.events.record import Record
 from sft_runtime.events.schemas import (
     CheckpointSaved,
     LoadersReady,
+    Record,
     RunStarted,
     RunStopped,
     StepAborted,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +29,7 @@ from sft_runtime.states.fold import (
     run_stopped_event,
     step_aborted_event,
 )
-from sft_runtime.states.pace import StepPace
-from sft_runtime.states.rules import After, StepRules
+from sft_runtime.states.rules import After, StepPace, StepRules
 from sft_runtime.states.save_state import SFTV2SaveState, initial_save_state
 
 
@@ -283,3 +283,60 @@ def mermaid() -> str:
             lines.append(f"    {source} --> {row['dest'] or source}: {label}")
     lines.append("    closed --> [*]")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- one step's phases
+# One step's vocabulary: its phases, and what a step in flight has opened.
+#
+# The same names serve the worker's errors (``exc.sft_phase``), the group's report of a
+# failed call (`PolicyWorkerError.phase`), the controller's bookkeeping, the ``phase`` of a
+# ``step_aborted`` record and the step's fault points (``stepping:after_<phase>``), so a
+# failure reads the same wherever it is seen.
+
+
+class StepPhase(str, Enum):
+    """The phases of one step, in the order they run."""
+
+    loading = "loading"  # the owners' loaders deliver the batch (inside the worker's start)
+    train = "train"  # begin, forward/backward, gradient all-reduce, optimizer (the workers)
+    metrics = "metrics"  # the controller derives the step's metrics
+    commit = "commit"  # the batch is marked committed (the commit rides on the next start)
+    record = "record"  # step_committed is appended: the step counts
+
+    @property
+    def fault_point(self) -> str:
+        """The fault point just after this phase (see runtime/process/faults.py)."""
+        return f"stepping:after_{self.value}"
+
+
+STEP_PHASES = tuple(StepPhase)
+
+
+def earliest(phases: list[str | None]) -> StepPhase | None:
+    """The first phase, in step order, among the ones workers reported (None if none)."""
+    known = [StepPhase(p) for p in phases if p]
+    return min(known, key=STEP_PHASES.index, default=None)
+
+
+@dataclass
+class StepInFlight:
+    """How far a step got and what it holds open: exactly what an abort must undo."""
+
+    phase: StepPhase = StepPhase.loading
+    policy_open: bool = True  # gradients and RNG of the step are live in the workers
+    batch_active: bool = True  # the loader batch is delivered and not committed
+
+    def trained(self) -> None:
+        """The optimizer step is taken: nothing in the policy is left to undo."""
+        self.phase, self.policy_open = StepPhase.train, False
+
+    def enter(self, phase: StepPhase) -> None:
+        self.phase = phase
+
+    def committed(self) -> None:
+        self.batch_active = False
+
+    def failed_phase(self, exc: BaseException) -> StepPhase:
+        """The phase an error belongs to: the one a worker reported, else where we are."""
+        reported = getattr(exc, "phase", None)
+        return StepPhase(reported) if reported else self.phase

@@ -95,6 +95,7 @@ class SFTController:
         self.args = actor_args
         self.group = actor_args.trainer
         self.plan = actor_args.placement_plan
+        self._world = self.plan.logical_world_size  # the loaders' ranks, read every step
         self.run_dir = Path(master_config.logger.log_dir or ".")  # as the driver reads it
         self.checkpointer = Checkpointer(
             master_config.checkpointing,
@@ -335,7 +336,7 @@ class SFTController:
         if outs and self._trace is not None:  # a step sent ahead began when a worker took it
             self._trace.began(min(o.started_ns for o in outs))
         envelopes = [s for rank in self.group.owner_ranks for s in outs[rank].envelope.per_shard()]
-        check_envelopes(envelopes, self.plan.logical_world_size)
+        check_envelopes(envelopes, self._world)
         self._fault_after(StepPhase.loading, step)
         return envelopes
 

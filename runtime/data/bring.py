@@ -36,11 +36,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from sft_runtime.runtime.data.chat_format import BYTE_REFUSAL
 from sft_runtime.runtime.data.config import DataConfig, ValidationDataConfig
 from sft_runtime.runtime.data.integrity import split_samples
 from sft_runtime.runtime.data.record_shapes import RecordShape
 from sft_runtime.runtime.data.records import BadRecordError
-from sft_runtime.runtime.data.tool_calls import BYTE_REFUSAL
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.process.user_cache import user_cache_dir
 

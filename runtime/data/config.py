@@ -33,11 +33,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sft_runtime.runtime.data.chat_format import RENDERED_FORMAT, ChatFormat
+from sft_runtime.runtime.data.chat_format import RENDERED_FORMAT, ChatFormat, read_prompt_file
 from sft_runtime.runtime.data.data_defaults import fill_from_default
 from sft_runtime.runtime.data.packing import PACKING_ALGORITHMS
 from sft_runtime.runtime.data.placement import MAPPERS
-from sft_runtime.runtime.data.prompt_file import read_prompt_file
 from sft_runtime.runtime.data.record_shapes import DatasetName, RecordShape
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError

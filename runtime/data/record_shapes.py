@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sft_runtime.runtime.data.tool_calls import tool_calls_reason, tools_reason
+from sft_runtime.runtime.data.chat_format import tool_calls_reason, tools_reason
 
 DatasetName = Literal["openai_format", "ResponseDataset"]
 

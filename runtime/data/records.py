@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
+from sft_runtime.runtime.data.chat_format import tool_calls_reason, tools_reason, uses_tools
 from sft_runtime.runtime.data.record_shapes import RecordShape
-from sft_runtime.runtime.data.tool_calls import tool_calls_reason, tools_reason, uses_tools
 from sft_runtime.runtime.errors import UserInputError
 
 ROLES = ("system", "user", "assistant", "tool")

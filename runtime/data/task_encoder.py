@@ -39,9 +39,8 @@ import torch
 from megatron.energon import Sample, SkipSample, TaskEncoder, edataclass, stateless
 
 from sft_runtime.runtime.data.batch import SFTBatch
-from sft_runtime.runtime.data.chat_format import ChatFormat
+from sft_runtime.runtime.data.chat_format import ChatFormat, with_prompt
 from sft_runtime.runtime.data.packing import plan_bins
-from sft_runtime.runtime.data.prompt_file import with_prompt
 from sft_runtime.runtime.data.sample import ChatSample
 from sft_runtime.runtime.data.tokenizer import ChatTokenizer, apply_chat_template
 

@@ -29,8 +29,12 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, field_serializer, model_validator
 
 from sft_runtime.runtime.data import chat_template as hf_chat
-from sft_runtime.runtime.data.chat_format import RENDERED_FORMAT, ChatFormat
-from sft_runtime.runtime.data.tool_calls import BYTE_REFUSAL, uses_tools
+from sft_runtime.runtime.data.chat_format import (
+    BYTE_REFUSAL,
+    RENDERED_FORMAT,
+    ChatFormat,
+    uses_tools,
+)
 from sft_runtime.runtime.errors import UserInputError
 
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"

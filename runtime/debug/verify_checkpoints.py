@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from sft_runtime.events.log import LOCK_NAME, LogReader, lock_holder
-from sft_runtime.events.record import Record
+from sft_runtime.events.schemas import Record
 from sft_runtime.events.snapshot import LogSnapshot
 from sft_runtime.runtime.checkpoint.recorded import RecordedCheckpoint, recorded_checkpoints
 from sft_runtime.runtime.checkpoint.store import (

@@ -68,6 +68,7 @@ class Replica:
         self.policy = policy
         self.device = device
         self.seed = seed
+        self.is_hf = policy.is_hf  # a pretrained Hugging Face model, not the built-in one
         lora = policy.dtensor_cfg.lora_cfg.enabled
         # a frozen LoRA base may be stored in the training precision: it gets no optimizer
         base_dtype = torch.bfloat16 if lora and policy.precision == "bfloat16" else torch.float32
@@ -114,10 +115,6 @@ class Replica:
     def lora(self) -> bool:
         """A LoRA run: only the adapters train and are saved (`runtime.lora`)."""
         return self.lora_targets is not None
-
-    @property
-    def is_hf(self) -> bool:
-        return self.policy.is_hf
 
     def shard(self, world_size: int) -> None:
         """FSDP2 over all DP ranks (`runtime.policy.fsdp`); needs the process group, so the

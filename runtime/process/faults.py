@@ -39,7 +39,7 @@ import os
 import signal
 import time
 
-from sft_runtime.states.step import StepPhase
+from sft_runtime.states.machine import StepPhase
 
 ENV = "SFT_RUNTIME_FAULT"
 HOLD_ENV = ENV + "_HOLD"

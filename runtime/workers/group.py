@@ -34,7 +34,7 @@ from sft_runtime.runtime.workers.cluster import (
     create_placement_group,
     remove_placement_group_quietly,
 )
-from sft_runtime.states.step import earliest
+from sft_runtime.states.machine import earliest
 
 __all__ = ["Pending", "PolicyWorkerError", "PolicyWorkerGroup", "PolicyWorkerInputError"]
 

@@ -57,7 +57,7 @@ from sft_runtime.runtime.workers.results import (
 )
 from sft_runtime.runtime.workers.worker_loader import WorkerLoader
 from sft_runtime.runtime.workers.worker_state import WorkerState
-from sft_runtime.states.step import StepPhase
+from sft_runtime.states.machine import StepPhase
 from sft_runtime.traces.spans import (
     BEGIN_STEP_SPAN,
     FINISH_STEP_SPAN,

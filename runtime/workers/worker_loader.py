@@ -13,7 +13,7 @@ from typing import Any
 
 from sft_runtime.runtime.data.batch import BatchSource, SFTBatch, StepEnvelope
 from sft_runtime.runtime.policy.replica import Replica
-from sft_runtime.states.step import StepPhase
+from sft_runtime.states.machine import StepPhase
 from sft_runtime.traces.spans import LOADER_COMMIT_SPAN, traced
 
 

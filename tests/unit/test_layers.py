@@ -163,7 +163,7 @@ PLANTS = {
         "runtime/data/chat_format.py: import cycle: sft_runtime.runtime.data.chat_format ({at}) "
         "-> sft_runtime.runtime.data.tokenizer (runtime/data/tokenizer.py:",
     ),
-    "torch in states": Plant("states/step.py", "import torch\n", 1, "{at}: no ray or torch"),
+    "torch in states": Plant("states/machine.py", "import torch\n", 1, "{at}: no ray or torch"),
 }
 
 

@@ -17,11 +17,10 @@ import yaml
 from sft_runtime.runtime.cli.main import main
 from sft_runtime.runtime.config import validate_config
 from sft_runtime.runtime.data.bring import bring_data, prepared_data_set
-from sft_runtime.runtime.data.chat_format import ChatFormat
+from sft_runtime.runtime.data.chat_format import ChatFormat, uses_tools
 from sft_runtime.runtime.data.record_shapes import RecordShape
 from sft_runtime.runtime.data.records import BadRecordError, parse_line
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
-from sft_runtime.runtime.data.tool_calls import uses_tools
 from sft_runtime.runtime.errors import UserInputError
 from tests.support.small_run import small_raw
 from tests.support.tool_chats import TOOL_TEMPLATE, TOOL_TEMPLATE_MARKED, tool_records, tool_texts

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from sft_runtime.events import read_log
-from sft_runtime.events.record import GENESIS, encode
 from sft_runtime.events.run_diff import step_facts
+from sft_runtime.events.schemas import GENESIS, encode
 from sft_runtime.runtime.cli.main import main
 from sft_runtime.runtime.config import load_config, loader_spec
 from sft_runtime.runtime.data.loader import ColocatedLoader

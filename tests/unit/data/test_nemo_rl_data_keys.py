@@ -11,9 +11,8 @@ import pytest
 
 from sft_runtime.runtime.config import MasterConfig, loader_spec, validate_config
 from sft_runtime.runtime.config_files.overrides import apply_override
-from sft_runtime.runtime.data.chat_format import ChatFormat
+from sft_runtime.runtime.data.chat_format import ChatFormat, with_prompt
 from sft_runtime.runtime.data.config import DEFAULT_SHUFFLE_BUFFER
-from sft_runtime.runtime.data.prompt_file import with_prompt
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.resume.config_change import config_changes
 from sft_runtime.runtime.resume.config_keys import config_leaves, flatten

@@ -17,13 +17,12 @@ import json
 
 import pytest
 
-from sft_runtime.runtime.data.chat_format import ChatFormat
+from sft_runtime.runtime.data.chat_format import BYTE_REFUSAL, ChatFormat
 from sft_runtime.runtime.data.record_shapes import RecordShape
 from sft_runtime.runtime.data.records import BadRecordError, Conversation, parse_line
 from sft_runtime.runtime.data.sample import ChatSample
 from sft_runtime.runtime.data.task_encoder import SFTTaskEncoder
 from sft_runtime.runtime.data.tokenizer import ByteTokenizer, TokenizerSpec, build_tokenizer
-from sft_runtime.runtime.data.tool_calls import BYTE_REFUSAL
 from tests.support.hf_models import demo_texts, train_tokenizer
 from tests.support.tool_chats import (
     TOOL_TEMPLATE,

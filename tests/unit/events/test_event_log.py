@@ -120,7 +120,7 @@ def test_damage_in_the_middle_names_the_line(tmp_path, damage, reason):
 def test_unknown_future_type_is_reported_with_its_line(tmp_path):
     log = EventLog.in_memory()
     log.append(RunStarted(placement_hash="h"))
-    from sft_runtime.events.record import encode
+    from sft_runtime.events.schemas import encode
 
     line, _ = encode(1, "model_merged", time.time(), 1, {"x": 1}, log.last_digest)
     path = tmp_path / "events.jsonl"
@@ -130,7 +130,7 @@ def test_unknown_future_type_is_reported_with_its_line(tmp_path):
 
 
 def test_newer_schema_version_is_refused_and_older_is_upcast(tmp_path):
-    from sft_runtime.events.record import encode
+    from sft_runtime.events.schemas import encode
 
     data = step_event(1).model_dump(mode="json")
     newer = dict(data, schema_version=7)
@@ -153,7 +153,7 @@ def test_newer_schema_version_is_refused_and_older_is_upcast(tmp_path):
 
 
 def test_invalid_payload_is_refused_when_validating(tmp_path):
-    from sft_runtime.events.record import encode
+    from sft_runtime.events.schemas import encode
 
     bad = dict(step_event(1).model_dump(mode="json"), step=0)
     line, _ = encode(0, "step_committed", 1.0, 1, bad, "0" * 64)

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sft_runtime.events import compare_reexecutions, history, open_log, read_log
-from sft_runtime.events.record import GENESIS, encode
 from sft_runtime.events.run_diff import diff_runs
 from sft_runtime.events.schemas import (
+    GENESIS,
     CheckpointSaved,
     LoadersReady,
     RunStarted,
@@ -26,6 +26,7 @@ from sft_runtime.events.schemas import (
     StepAborted,
     StepCommitted,
     ValidationCompleted,
+    encode,
     parse_payload,
 )
 from sft_runtime.runtime.cli.main import main as cli_main

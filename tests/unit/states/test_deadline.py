@@ -13,7 +13,7 @@ import pytest
 
 from sft_runtime.events import CheckpointSaved, EventLog, LoadersReady, RunStarted
 from sft_runtime.states import ControllerModel, ControllerState, StepRules
-from sft_runtime.states.pace import StepPace
+from sft_runtime.states.rules import StepPace
 from tests.support.logbuild import step_event
 
 S = ControllerState
