@@ -34,9 +34,9 @@ from sft_runtime.runtime.controller.pipeline import Pipeline
 from sft_runtime.runtime.controller.validation import Validator
 from sft_runtime.runtime.data.factory import loader_factory, owned_states
 from sft_runtime.runtime.errors import DiskFullError, DivergedError, quietly
-from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.metrics.step_metrics import (
     SFT_V2_TEED_METRICS,
+    MetricsLogger,
     RunSummary,
     RunTally,
     StepMetrics,
@@ -54,11 +54,10 @@ from sft_runtime.runtime.process.liveness import check_driver
 from sft_runtime.runtime.process.niceness import controller_niceness, set_niceness
 from sft_runtime.runtime.process.step_census import step_census
 from sft_runtime.runtime.resume.input_identity import config_identities
-from sft_runtime.runtime.workers.calls import Pending
+from sft_runtime.runtime.workers.group import Pending
 from sft_runtime.runtime.workers.results import StepStarted, StepTrained
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase, fold
 from sft_runtime.traces.context import attached, inject_carrier
-from sft_runtime.traces.metrics import StepInstruments
 from sft_runtime.traces.setup import setup_telemetry
 from sft_runtime.traces.spans import (
     EVENT_APPEND_SPAN,
@@ -69,7 +68,7 @@ from sft_runtime.traces.spans import (
     record_error,
     traced,
 )
-from sft_runtime.traces.step_trace import StepTrace
+from sft_runtime.traces.step_trace import StepInstruments, StepTrace
 
 SEED_STEPS = (
     "_setup_loaders",

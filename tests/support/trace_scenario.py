@@ -131,8 +131,8 @@ TEED = [  # the seed API's SFT_V2_TEED_METRICS, restated so this process needs n
 
 def memory(args: dict[str, Any]) -> dict[str, Any]:
     """The memory exporter: spans, the step helper, error marking and metrics."""
-    from sft_runtime.traces.metrics import StepInstruments
     from sft_runtime.traces.setup import setup_telemetry
+    from sft_runtime.traces.step_trace import StepInstruments
 
     instruments = StepInstruments(TEED)  # created before setup: proxies must start forwarding
     cfg = TelemetryConfig(enabled=True, exporters=["memory"])
@@ -184,8 +184,8 @@ def memory(args: dict[str, Any]) -> dict[str, Any]:
 
 def disabled(args: dict[str, Any]) -> dict[str, Any]:
     """Telemetry off: the API alone, whatever the code calls."""
-    from sft_runtime.traces.metrics import StepInstruments
     from sft_runtime.traces.setup import setup_telemetry
+    from sft_runtime.traces.step_trace import StepInstruments
 
     handles = [
         setup_telemetry(None, role="driver"),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sft_runtime.traces.metrics import SECONDS_BUCKETS, TOKENS_PER_SECOND_BUCKETS
 from sft_runtime.traces.setup import _signal_endpoint
+from sft_runtime.traces.step_trace import SECONDS_BUCKETS, TOKENS_PER_SECOND_BUCKETS
 
 ROWS = [
     {
