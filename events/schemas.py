@@ -1,4 +1,5 @@
-"""Event payloads: small frozen facts in the past tense, one model per record type.
+"""Event payloads: small frozen facts in the past tense, one model per record type; and the
+line each is written as (`Record`, `encode`, at the end), which the log and its scan share.
 
 Each payload carries a ``schema_version``. Readers upgrade older payloads in one place
 (`upcast`) and refuse newer ones, so a log written by a later release is reported rather

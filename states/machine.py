@@ -9,6 +9,9 @@ Guards look at ``next_state``: the save state a trigger *would* produce. transit
 evaluates conditions before the callback that records the step, so the machine's
 ``prepare_event`` computes it once per trigger, with the same handler the fold uses. The same
 callback reads the clock for the step pace, so a deadline is judged as of the step's end.
+
+A step's own phases (`StepPhase`, `StepInFlight`, at the end) are named here as well: the
+workers' errors, the aborts the machine records and the fault points all use those names.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ end of the run follows a step. The machine's guards read it for the state a trig
 make; the loop reads it for the step just sent, to know whether the next step (or that step's
 checkpoint) can be sent along; a test or a reader of the log can ask it of any state. Whether
 the deadline has come is the one input that needs a clock: `StepRules.timed_out` judges it
-from ``now`` and the mean step time (see `states.pace`), and the caller passes its verdict.
+from ``now`` and the mean step time (`StepPace`, below), and the caller passes its verdict.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every process of a run (driver, controller actor, each worker actor) calls it once with its
 role, rank and attempt. Library code only ever uses the API (`traces.context.TRACER`, the
-meter in `traces.metrics`); until this runs, and forever when telemetry is off, those are
+meter in `traces.step_trace`); until this runs, and forever when telemetry is off, those are
 no-ops. The SDK is imported inside the functions below, not at module level, so importing
 this module (or calling it with telemetry off) loads nothing of the SDK.
 

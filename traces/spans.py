@@ -60,7 +60,7 @@ SETUP_SPANS = {
     "open_log": "rl.sft_v2.setup.open_log",  # the controller opens (and repairs) the log
     "loaders": "rl.sft_v2.setup.loaders",  # workers' telemetry, loaders, restored states
 }
-PHASE_ATTR = "sft.step.phase"  # the step phase a span belongs to (`states.step.StepPhase`)
+PHASE_ATTR = "sft.step.phase"  # the step phase a span belongs to (`states.machine.StepPhase`)
 
 
 def record_error(span: Span, exc: BaseException) -> None:

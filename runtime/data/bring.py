@@ -19,7 +19,7 @@ out as the ``val`` split, which becomes ``data.validation`` when no validation d
 split (NeMo RL's ``len(dataloader)``: whole global batches) unless
 ``data.train.virtual_epoch_length`` says otherwise.
 
-Tool calling (tool_calls.py) is content: the tools, calls and results are stored with each
+Tool calling (chat_format.py) is content: the tools, calls and results are stored with each
 sample, so the file's bytes, which name the folder, cover them. The folder records the
 first line that calls on tools; with the byte tokenizer, which has no layout for them, the
 run is refused naming that line.
@@ -209,7 +209,7 @@ def bring_data(config: _Config, *, cache: Path | None = None) -> _Config:
 
 def _check_tools(config: RunConfig, data_path: str, prepared: Prepared) -> None:
     """Refuse, naming the file and line, tool calling with the byte tokenizer (it has no
-    layout for tools: tool_calls.py)."""
+    layout for tools: chat_format.py)."""
     if prepared.tool_line is not None and config.policy.tokenizer.is_byte:
         source = str(Path(data_path).expanduser())
         raise BadRecordError(source, prepared.tool_line, BYTE_REFUSAL)

@@ -26,6 +26,10 @@ keys: the layout a template writes after an end-of-turn token (ChatML's newline 
 Defaults are NeMo RL's: ``add_bos`` and ``add_eos`` true, ``add_generation_prompt`` false.
 Rows exactly as the template renders them, with the header as context, are ``add_bos:
 false`` and ``add_generation_prompt: true``.
+
+The two other things that shape a conversation before it is rendered are here too, each in
+a section of its own below: its tool calls (the OpenAI layout NeMo RL reads) and the
+``prompt_file`` prompt that takes its first user message.
 """
 
 from __future__ import annotations

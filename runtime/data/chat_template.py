@@ -25,7 +25,7 @@ for the raw content, since templates trim, rewrite and re-render it:
 
 Template variables a template reads besides the messages (Qwen3's ``enable_thinking``) come
 from ``policy.tokenizer.chat_template_kwargs`` and go into every render, as keyword
-arguments of ``apply_chat_template`` do. A conversation's tool definitions (tool_calls.py)
+arguments of ``apply_chat_template`` do. A conversation's tool definitions (chat_format.py)
 go into every render of it as ``apply_chat_template(..., tools=tools)``, as NeMo RL passes
 them: where the template writes them (the system block) is context, and an assistant turn
 that calls a tool is supervised as rendered, its calls included.

@@ -96,7 +96,7 @@ class ElasticConfig(_Section):
 def check_processing(where: str, processor: Any, prompt_file: Any, system_prompt_file: Any) -> None:
     """The rules of NeMo RL's processing keys under `where` (``data.train``, ``data.default``):
     ``processor`` is only NeMo RL's SFT one; ``prompt_file`` must read as a prompt
-    (prompt_file.py); ``system_prompt_file`` is refused, since NeMo RL's sft_processor never
+    (chat_format.py); ``system_prompt_file`` is refused, since NeMo RL's sft_processor never
     reads it and a file taken without effect would mislead (ValueError, one line)."""
     if processor not in PROCESSORS:
         raise ValueError(

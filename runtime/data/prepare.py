@@ -4,7 +4,7 @@ Every line is validated before a single shard is written, so a bad file never le
 prepared data set behind. Samples are stored as a ``json`` part holding the normalized
 ``{"messages": [...]}``, mapped by ``dataset.yaml`` onto
 `sft_runtime.runtime.data.sample.ChatSample`. A data set where some conversation defines
-tools (tool_calls.py) stores ``"tools"`` beside the messages of every sample (null where
+tools (chat_format.py) stores ``"tools"`` beside the messages of every sample (null where
 a conversation has none) and maps it too, so training renders each conversation with its
 tools as the checks here did; one without tools is stored as before.
 The train/val split is decided per sample (seeded), and each split gets its own shard
@@ -70,7 +70,7 @@ class PrepareResult:
     num_val: int
     skipped_lines: list[int]
     num_shards: int
-    tool_line: int | None = None  # the first line that calls on tools (tool_calls.py)
+    tool_line: int | None = None  # the first line that calls on tools (chat_format.py)
 
 
 def sample_key(line_no: int) -> str:

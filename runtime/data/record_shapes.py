@@ -7,7 +7,7 @@ tool definitions under ``tool_key``) or as ``ResponseDataset`` (one prompt under
 such record onto ``{"messages": [...], "tools": [...]}`` (tools only where the record has
 some), which `records.normalize_record` then checks as it checks every conversation; keys
 the shape does not read are ignored, as NeMo RL ignores them. Tool calling is read as NeMo
-RL reads it (tool_calls.py): the tools list goes beside the messages, and a message keeps
+RL reads it (chat_format.py): the tools list goes beside the messages, and a message keeps
 its calls (an assistant's ``tool_calls``) or what names the call it answers (a tool's
 ``tool_call_id`` and ``name``).
 """
@@ -85,7 +85,7 @@ class RecordShape:
         return None
 
 
-# What a message of each role keeps besides its role and content (tool_calls.py).
+# What a message of each role keeps besides its role and content (chat_format.py).
 _TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
 
 

@@ -4,7 +4,7 @@
 the same normalized shape back from the shards, so the rules live in one place: a record is
 either ``{"messages": [...], "tools": [...]?}`` or ``{"prompt", "response"}``; roles are
 system, user, assistant or tool; contents are non-empty strings; at least one assistant
-turn. Tool calling (tool_calls.py) loosens two of them: an assistant message that calls
+turn. Tool calling (chat_format.py) loosens two of them: an assistant message that calls
 tools may say nothing besides (its ``content`` empty or left out), and a tool's result may
 be empty.
 """

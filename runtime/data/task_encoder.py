@@ -23,8 +23,8 @@ conversations as the unpacked one, and the loader's state (energon's) is the sam
 ``first_fit_shuffle`` draws from a private `random.Random` seeded by the step's source ids.
 
 Before a conversation is rendered, a ``prompt_file``'s prompt takes its first user message
-(prompt_file.py); the tokenizer renders it, with the sample's tool definitions where it has
-some (tool_calls.py), under the ``data.add_bos``, ``add_eos`` and ``add_generation_prompt``
+(chat_format.py); the tokenizer renders it, with the sample's tool definitions where it has
+some (chat_format.py), under the ``data.add_bos``, ``add_eos`` and ``add_generation_prompt``
 rules (chat_format.py).
 """
 

@@ -10,7 +10,7 @@ assistant message is its content and its closing EOS (the model must learn to st
 markers and everything said by system and user are context. The layout has BOS and EOS
 already, so ``data.add_bos`` and ``data.add_eos`` add nothing; the assistant marker is the
 header that ``data.add_generation_prompt: false`` trains on (chat_format.py). It has no
-layout for tool calling (tool_calls.py): a conversation with tools, tool calls or tool
+layout for tool calling (chat_format.py): a conversation with tools, tool calls or tool
 results is refused, never trained on without them.
 
 A Hugging Face tokenizer renders conversations with its own chat template (or the one

@@ -1,7 +1,7 @@
 """What one step measured, from the loader envelopes and the workers' results.
 
 Pure functions of plain data, so the controller stays a sequence of calls and the numbers
-are testable without Ray.
+are testable without Ray. `MetricsLogger` (at the end) writes them where the config says.
 """
 
 from __future__ import annotations

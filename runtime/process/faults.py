@@ -14,7 +14,7 @@ it: it can kill any process of the run, signal it, or look at the files, then re
 A process holds at most once.
 
 Points (state:moment; a step's are ``stepping:after_<phase>`` with the phase names of
-`states.step.StepPhase`, the names step_aborted records):
+`states.machine.StepPhase`, the names step_aborted records):
   setup:after_loaders        loaders built, before loaders_ready
   stepping:after_loading     batches loaded (the train calls queued behind them)
   stepping:after_train       optimizer step taken, before the loader commit

@@ -11,7 +11,7 @@ neither torch nor anything that does, and each method hands its call to the
 The methods are `PolicyWorkerBase`'s public ones, named here because reading them off that
 class would import it (tests/unit/workers/test_worker_actor.py checks that the two agree).
 Their signatures are the worker's; the calls the runtime makes on them are typed in
-`runtime.workers.calls`.
+`runtime.workers.group` (`WorkerCalls`).
 """
 
 from __future__ import annotations
