@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from opentelemetry import context as otel_context
@@ -45,17 +46,27 @@ from sft_runtime.traces.spans import (
 )
 
 
+@dataclass(frozen=True)
+class TraceOrigin:
+    """What the step traces of one attempt share: the attempt, the job span each step's root
+    links to, and this process's id reserver (None with telemetry off), looked up once when
+    the job span opens rather than for every step."""
+
+    attempt: int | None = None
+    job: Span | None = None
+    ids: Any = None
+
+    @classmethod
+    def of_job(cls, attempt: int | None, job: Span | None) -> TraceOrigin:
+        telemetry = active_telemetry()
+        return cls(attempt, job, getattr(telemetry, "ids", None) if telemetry else None)
+
+
 class StepTrace:
     """The trace of step ``step``: reserved ids, its start, attributes, error, then the root."""
 
-    def __init__(
-        self,
-        step: int,
-        *,
-        attempt: int | None,
-        job: Span | None,
-        sent_ahead: bool = False,
-    ) -> None:
+    def __init__(self, step: int, origin: TraceOrigin, *, sent_ahead: bool = False) -> None:
+        attempt, job = origin.attempt, origin.job
         self.step = step
         self.sent_ns = time.time_ns()  # nothing of the step can begin before this
         self.started_ns: int | None = None
@@ -66,8 +77,7 @@ class StepTrace:
         }
         self.error: BaseException | None = None
         self._job = job.get_span_context() if job is not None else None
-        telemetry = active_telemetry()
-        self._ids = getattr(telemetry, "ids", None) if telemetry is not None else None
+        self._ids = origin.ids
         self._reserved: tuple[int, int] | None = None
         self._training: tuple[int, int] | None = None  # the policy_training span's ids
         self.placeholder: Span = INVALID_SPAN

@@ -68,7 +68,7 @@ from sft_runtime.traces.spans import (
     record_error,
     traced,
 )
-from sft_runtime.traces.step_trace import StepInstruments, StepTrace
+from sft_runtime.traces.step_trace import StepInstruments, StepTrace, TraceOrigin
 
 SEED_STEPS = (
     "_setup_loaders",
@@ -111,7 +111,7 @@ class SFTController:
         self.log: EventLog | None = None
         self.pipeline = Pipeline(self.group, actor_args.loss_fn, self.checkpointer)
         self.validator = Validator(master_config, self.group)
-        self._job = None  # the job span (each step span links to it)
+        self._origin = TraceOrigin()  # what every step trace of the attempt shares
         self._trace: StepTrace | None = None  # the trace of the step in flight
         self._flush_by: float | None = None  # the run's shutdown deadline for telemetry
         self._step_attributes: dict[str, Any] | None = None
@@ -159,9 +159,9 @@ class SFTController:
 
     def run(self) -> RunSummary:
         with traced(JOB_SPAN) as job:
-            self._job = job
             with traced(SETUP_SPANS["open_log"]):
                 self._open()
+            self._origin = TraceOrigin.of_job(self._attempt, job)
             start_step = self._machine.save_state.total_steps
             reason, error = "completed", None
             try:
@@ -239,7 +239,7 @@ class SFTController:
         # its start was sent with the last step, or it starts now
         trace = self.pipeline.ahead_trace(step)
         if trace is None:
-            trace = StepTrace(step, attempt=self._attempt, job=self._job)
+            trace = StepTrace(step, self._origin)
         self._trace = trace
         in_flight = StepInFlight()  # how far the step got, what an abort must undo
         try:
@@ -318,13 +318,16 @@ class SFTController:
         # the next step, sent now, ends about two mean steps from now: is the deadline closer?
         soon = self._machine.deadline_within(2)
         after = self._machine.rules.after(
-            state, stopping=self._stop.is_set(), timed_out=soon, validated=self.validator.done(step)
+            state,
+            stopping=self._stop.is_set(),
+            timed_out=soon,
+            validated=step in self.validator.done,
         )
         if after.straight_on:
-            self.pipeline.send_ahead(step + 1, commit=True, attempt=self._attempt, job=self._job)
+            self.pipeline.send_ahead(step + 1, commit=True, origin=self._origin)
         elif after.saves and not (after.validate or after.stop):
             # a save is due, and the run goes on after it
-            self.pipeline.send_save_ahead(state, attempt=self._attempt, job=self._job)
+            self.pipeline.send_save_ahead(state, origin=self._origin)
         trained: list[StepTrained] = self.group.wait(sent)
         envelopes = self._load_envelopes([t.started for t in trained], step)
         return envelopes, [t.finished for t in trained]
@@ -353,7 +356,7 @@ class SFTController:
         there (``sft.val_period``, ``val_at_start``, ``val_at_end``) and the log holds none."""
         state = self._machine.save_state
         step = state.total_steps
-        if not self._machine.rules.after(state, validated=self.validator.done(step)).validate:
+        if not self._machine.rules.after(state, validated=step in self.validator.done).validate:
             return
         metrics = self.validator.run(step, self._machine, self._attempt)
         self._metrics_log.log(step, metrics, prefix="val")
@@ -433,7 +436,7 @@ class SFTController:
         try:
             if past is not None and self._goes_on_after(past):
                 step = past.total_steps + 1  # the save committed its batch
-                self.pipeline.send_ahead(step, commit=False, attempt=self._attempt, job=self._job)
+                self.pipeline.send_ahead(step, commit=False, origin=self._origin)
             loader_states = self._loader_state_dicts(states)
         except BaseException:
             quietly("discard the checkpoint", write.discard)

@@ -40,7 +40,7 @@ from sft_runtime.runtime.controller.save_ahead import SaveAhead
 from sft_runtime.runtime.errors import quietly
 from sft_runtime.runtime.workers.group import Pending
 from sft_runtime.states import SFTV2SaveState
-from sft_runtime.traces.step_trace import StepTrace
+from sft_runtime.traces.step_trace import StepTrace, TraceOrigin
 
 SETTLE_TIMEOUT_S = 30.0
 
@@ -89,12 +89,12 @@ class Pipeline:
         self.current = pending
         return pending
 
-    def send_ahead(self, step: int, *, commit: bool, attempt: int | None, job: Any) -> None:
+    def send_ahead(self, step: int, *, commit: bool, origin: TraceOrigin) -> None:
         """Send ``step`` now, queued behind the calls sent so far (the current step, or a
-        checkpoint's), in a step trace of its own (linked to ``job``); with ``commit`` it
+        checkpoint's), in a step trace of its own (linked to the job span); with ``commit`` it
         commits the current step's batch in the worker if (and only if) that step finished
         there."""
-        trace = StepTrace(step, attempt=attempt, job=job, sent_ahead=True)
+        trace = StepTrace(step, origin, sent_ahead=True)
         self.ahead = StepAhead(step, self._send(trace, commit, sent_ahead=True), trace)
 
     def _send(self, trace: StepTrace, commit: bool, *, sent_ahead: bool) -> Pending:
@@ -146,13 +146,17 @@ class Pipeline:
         return True
 
     # -- a checkpoint sent ahead with its step ---------------------------------------------
-    def send_save_ahead(self, state: SFTV2SaveState, *, attempt: int | None, job: Any) -> None:
+    def send_save_ahead(self, state: SFTV2SaveState, *, origin: TraceOrigin) -> None:
         """The checkpoint after ``state``'s step, sent behind the step's finish, and the next
         step's start behind the checkpoint's writes (`SaveAhead`)."""
         self.save_ahead = SaveAhead.send(
-            state, group=self.group, checkpointer=self.checkpointer, attempt=attempt, job=job
+            state,
+            group=self.group,
+            checkpointer=self.checkpointer,
+            attempt=origin.attempt,
+            job=origin.job,
         )
-        self.send_ahead(state.total_steps + 1, commit=False, attempt=attempt, job=job)
+        self.send_ahead(state.total_steps + 1, commit=False, origin=origin)
 
     def take_save_ahead(self, step: int, *, final: bool) -> SaveAhead | None:
         """The save sent ahead for ``step``, unless it turned out to be the last one (or

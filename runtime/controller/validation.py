@@ -33,7 +33,8 @@ class Validator:
         self.group = group
         self.spec = validation_spec(config)
         self.latest: dict[str, Any] = {}  # the metrics of the latest validation in effect
-        self._done: set[int] = set()  # steps whose validation the log holds
+        # steps whose validation the log holds (`StepRules.after` then schedules none)
+        self.done: set[int] = set()
 
     @property
     def enabled(self) -> bool:
@@ -45,12 +46,8 @@ class Validator:
             return
         for rec in records_in_effect(log):
             if rec.type == "validation_completed":
-                self._done.add(rec.data["step"])
+                self.done.add(rec.data["step"])
                 self.latest = _metrics(rec.data)
-
-    def done(self, step: int) -> bool:
-        """The log holds a pass for ``step`` (`StepRules.after` then schedules none)."""
-        return step in self._done
 
     def run(self, step: int, model: Any, attempt: int | None) -> dict[str, Any]:
         """One pass on the weights after ``step``; recorded through ``model.validated``."""
@@ -78,7 +75,7 @@ class Validator:
                 span_id=span_id,
             )
             model.validated(event=event)
-        self._done.add(step)
+        self.done.add(step)
         self.latest = metrics
         return metrics
 
