@@ -248,8 +248,14 @@ class Replica:
         step = self._open
         ready = step is not None and step.trained
         t0 = time.perf_counter()
+        peers = dist.is_initialized() and dist.get_world_size() > 1
         if self.sharded:  # gradients were reduce-scattered by the backward passes
             grads = []
+        elif not peers:  # nothing to add up: the gradients stay where the backward put them
+            grads = []
+            for p in self.params if ready else ():
+                if p.grad is None:  # as the reduced buffer would hold it: zeros, not None
+                    p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         else:
             grads = [
                 p.grad
