@@ -25,7 +25,7 @@ from sft_runtime.runtime.data.config import (
 )
 from sft_runtime.runtime.data.tokenizer import TokenizerSpec
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.metrics.step_metrics import LoggerConfig
+from sft_runtime.runtime.metrics.metrics_log import LoggerConfig
 from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 from sft_runtime.runtime.policy.config import (
     STRICT,

@@ -28,7 +28,7 @@ from opentelemetry import trace
 from sft_runtime.events import PlacementChanged, open_log
 from sft_runtime.runtime.config import MasterConfig, step_rules
 from sft_runtime.runtime.errors import quietly
-from sft_runtime.runtime.metrics.step_metrics import MetricsLogger
+from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.process.faults import fault_point
 from sft_runtime.runtime.resume.config_change import config_record
 from sft_runtime.runtime.resume.placement_change import workers_change

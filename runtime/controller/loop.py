@@ -34,9 +34,9 @@ from sft_runtime.runtime.controller.pipeline import Pipeline
 from sft_runtime.runtime.controller.validation import Validator
 from sft_runtime.runtime.data.factory import loader_factory, owned_states
 from sft_runtime.runtime.errors import DiskFullError, DivergedError, quietly
+from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.metrics.step_metrics import (
     SFT_V2_TEED_METRICS,
-    MetricsLogger,
     RunSummary,
     RunTally,
     StepMetrics,

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from sft_runtime.runtime.data.batch import BatchSource, SFTBatch, StepEnvelope
-from sft_runtime.runtime.data.loader import PrefetchingLoader
+from sft_runtime.runtime.data.prefetch import PrefetchingLoader
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy import rendezvous
 from sft_runtime.runtime.policy.cluster_config import ClusterConfig
@@ -458,7 +458,7 @@ class WorkerLoader:
         if self.source is not None:
             raise RuntimeError(f"rank {self.rank}: the SFT dataloader is already set up")
         from sft_runtime.runtime.checkpoint.loader_states import load_loader_state
-        from sft_runtime.runtime.data.loader import PrefetchingLoader
+        from sft_runtime.runtime.data.prefetch import PrefetchingLoader
 
         if prefetch_depth > 1:
             loader = PrefetchingLoader(factory, prefetch_depth)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sft_runtime.runtime.metrics.step_metrics import read_metrics
+from sft_runtime.runtime.metrics.metrics_log import read_metrics
 from tests.support.reliability import STEPS, Runner, committed
 
 

@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from sft_runtime.runtime.metrics.step_metrics import read_metrics, scalar_metrics
+from sft_runtime.runtime.metrics.metrics_log import read_metrics, scalar_metrics
 
 
 def expected_by_step(metrics_jsonl: Path) -> dict[int, dict[str, float]]:

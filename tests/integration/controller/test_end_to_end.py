@@ -18,7 +18,7 @@ from sft_runtime.runtime.checkpoint.store import CheckpointDir
 from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.data.tokenizer import ByteTokenizer
 from sft_runtime.runtime.launch.driver import run_training
-from sft_runtime.runtime.metrics.step_metrics import read_metrics
+from sft_runtime.runtime.metrics.metrics_log import read_metrics
 from sft_runtime.states import replay
 from tests.support.small_run import small_config, small_raw
 

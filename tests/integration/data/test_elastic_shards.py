@@ -18,7 +18,8 @@ import torch
 
 from sft_runtime.runtime.checkpoint.loader_states import dumps_loader_states, loads_loader_states
 from sft_runtime.runtime.data.config import LoaderSpec
-from sft_runtime.runtime.data.loader import ColocatedLoader, PrefetchingLoader
+from sft_runtime.runtime.data.loader import ColocatedLoader
+from sft_runtime.runtime.data.prefetch import PrefetchingLoader
 from sft_runtime.runtime.data.shards import ShardGroupLoader, shard_states
 from tests.support.fixtures import _LOADER_FIELDS
 

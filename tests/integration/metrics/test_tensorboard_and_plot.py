@@ -14,7 +14,7 @@ from sft_runtime.events import read_log
 from sft_runtime.runtime.cli.main import main as cli_main
 from sft_runtime.runtime.cli.plot import collect
 from sft_runtime.runtime.launch.driver import run_training
-from sft_runtime.runtime.metrics.step_metrics import read_metrics
+from sft_runtime.runtime.metrics.metrics_log import read_metrics
 from tests.support.small_run import small_config
 
 STEPS = 3  # the small run's save_period: one checkpoint, at the end

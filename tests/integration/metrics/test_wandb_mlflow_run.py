@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sft_runtime.runtime.launch.driver import run_training
+from sft_runtime.runtime.metrics.metrics_log import read_metrics
 from sft_runtime.runtime.metrics.mlflow_log import default_tracking_uri
-from sft_runtime.runtime.metrics.step_metrics import read_metrics
 from tests.support.backends import (
     expected_by_step,
     mlflow_by_step,

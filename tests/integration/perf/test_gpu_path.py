@@ -8,7 +8,8 @@ from functools import partial
 import pytest
 import torch
 
-from sft_runtime.runtime.data.loader import ColocatedLoader, PrefetchingLoader
+from sft_runtime.runtime.data.loader import ColocatedLoader
+from sft_runtime.runtime.data.prefetch import PrefetchingLoader
 from sft_runtime.runtime.policy.config import ModelConfig, PolicyConfig
 from sft_runtime.runtime.policy.replica import Replica
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from sft_runtime.events import read_log, records_in_effect
 from sft_runtime.runtime.checkpoint.store import CheckpointDir
 from sft_runtime.runtime.launch.driver import run_training
-from sft_runtime.runtime.metrics.step_metrics import read_metrics
+from sft_runtime.runtime.metrics.metrics_log import read_metrics
 from tests.support.small_run import small_config
 
 

@@ -11,7 +11,8 @@ from functools import partial
 import pytest
 import torch
 
-from sft_runtime.runtime.data.loader import ENERGON_LOCK, ColocatedLoader, PrefetchingLoader
+from sft_runtime.runtime.data.loader import ColocatedLoader
+from sft_runtime.runtime.data.prefetch import ENERGON_LOCK, PrefetchingLoader
 
 TENSORS = ("input_ids", "loss_mask", "position_ids", "segment_ids")
 

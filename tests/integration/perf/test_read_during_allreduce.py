@@ -10,7 +10,8 @@ from functools import partial
 
 import pytest
 
-from sft_runtime.runtime.data.loader import ColocatedLoader, PrefetchingLoader
+from sft_runtime.runtime.data.loader import ColocatedLoader
+from sft_runtime.runtime.data.prefetch import PrefetchingLoader
 from tests.integration.perf.test_prefetch_exact import (
     _fails_then_retries,
     _plain,

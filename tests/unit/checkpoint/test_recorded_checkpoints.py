@@ -14,7 +14,7 @@ from sft_runtime.runtime.checkpoint.recorded import (
     record_path,
     recorded_checkpoints,
 )
-from sft_runtime.runtime.metrics.step_metrics import read_metrics
+from sft_runtime.runtime.metrics.metrics_log import read_metrics
 from sft_runtime.runtime.metrics.superseded import drop_superseded_rows
 from sft_runtime.states import replay
 from tests.support.logbuild import Attempt, write_run

@@ -23,7 +23,7 @@ from sft_runtime.runtime.metrics.gpu_monitor import (
     parse_nvidia_smi,
     visible_samples,
 )
-from sft_runtime.runtime.metrics.step_metrics import LoggerConfig, MetricsLogger, read_metrics
+from sft_runtime.runtime.metrics.metrics_log import LoggerConfig, MetricsLogger, read_metrics
 
 GIB = 1024**3
 SMI = (

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from sft_runtime.runtime.metrics.metrics_log import MetricsLogger
 from sft_runtime.runtime.metrics.mlflow_log import MlflowConfig, MlflowWriter, default_tracking_uri
-from sft_runtime.runtime.metrics.step_metrics import MetricsLogger
 from tests.support.backends import expected_by_step, mlflow_by_step
 
 RUN_CONFIG = {

@@ -14,7 +14,7 @@ from sft_runtime.runtime.cli.main import main
 from sft_runtime.runtime.config import validate_config
 from sft_runtime.runtime.config_files.overrides import apply_override
 from sft_runtime.runtime.errors import UserInputError
-from sft_runtime.runtime.metrics.step_metrics import MetricsLogger, read_metrics
+from sft_runtime.runtime.metrics.metrics_log import MetricsLogger, read_metrics
 from tests.support.small_run import small_raw
 
 INSTALL = "pip install 'sft-runtime[tensorboard]'"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sft_runtime.runtime.metrics.step_metrics import MetricsLogger, read_metrics
+from sft_runtime.runtime.metrics.metrics_log import MetricsLogger, read_metrics
 from sft_runtime.runtime.metrics.wandb_log import WandbConfig
 from tests.support.backends import (
     expected_by_step,
