@@ -12,21 +12,24 @@ layer, unpacked) against TRL with peft.
 Same lr, rows, micro-batches, max length, assistant-only loss, AdamW at a constant LR,
 clipping at 1.0, float32 (TRL's bf16 and activation-checkpointing defaults turned off).
 
-Each side trains in a fresh process, in turns (plain, runtime, TRL, then again for the next
-round), so a busy spell of the machine weighs on all of them; a ratio is the median of the
-rounds'. Figures: supervised tokens per second over the steps after the warm-up, and the
+The three sides of a mode train at once, each in a fresh process, and take turns a step at a
+time (plain, runtime, TRL, then TRL, runtime, plain, ...; `_in_turns`), so only one computes
+at any moment and a busy spell of the machine weighs on all of them; a ratio is the median
+of the rounds' (each round three fresh processes, since processes of the same program
+differ by a few percent here). Figures: supervised tokens per second over the steps after the warm-up, and the
 process's peak RSS. Targets: sft-runtime's time per supervised token <= 1.05x the plain
 loop's (its step time on the same tokens), its tokens/s >= 1.0x TRL's in every mode. Where
 one is missed, rows say where the time went (getting the batch, forward/backward, the
 optimizer step) and how many positions the forward passes ran over for each real one.
 
-Smoke mode runs the same code on a tiny Qwen2 model built here (no download), 3 steps, every
-side in one child process.
+Smoke mode runs the same code on a tiny Qwen2 model built here (no download), 3 steps, each
+side's modes one after another in one child process, the three children taking turns.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -40,7 +43,7 @@ if not __package__:  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as h  # noqa: E402
-from bench.real_model_sides import Setup, run_side  # noqa: E402
+from bench.real_model_sides import TURNS_ENV, Setup, run_side  # noqa: E402
 from bench.table import Row  # noqa: E402
 
 STEPS = h.pick(6, 3)
@@ -65,10 +68,9 @@ TRL_TARGET = 1.0  # sft-runtime's tokens/s over TRL's
 # torch threads of a side: the machine's cores (smoke: one; `h.SMOKE_THREADS_ENV` says why)
 THREADS = h.pick(h.usable_cores(), 1)
 MARK = "real-model-side: "  # a child's result line (TRL prints its logs to stdout too)
-# Full: each side's run in a fresh process, so that its peak RSS and its imports are its own.
-# Smoke: one process runs every side of every mode in turn; each still goes through its own
-# `run_side`, and only the process around them is shared (smoke figures mean nothing).
-RUNS_PER_CHILD = h.pick(1, len(MODES) * h.ROUNDS * len(SIDES))
+# Full: each run of a side in a fresh process, so that its peak RSS and its imports are its
+# own. Smoke: one process per side runs its every mode in turn (smoke figures mean nothing).
+FRESH_PROCESS_PER_RUN = not h.SMOKE
 
 
 def _model(scratch: Path) -> tuple[Path, str | None]:
@@ -97,21 +99,74 @@ def _data(scratch: Path, model: Path, count: int) -> tuple[Path, Path]:
     return chats, scratch / "data"
 
 
-def _child(jobs: list[tuple[str, Path, Path]]) -> list[dict[str, Any]]:
-    """Each (side, setup file, work folder) run in turn by one child process; their results."""
-    argv = []
-    for side, setup_file, work in jobs:
-        work.mkdir(parents=True, exist_ok=True)
-        argv += [side, str(setup_file), str(work)]
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", *argv],
-        stdout=subprocess.PIPE,
-        text=True,
-        check=True,
-    )
-    return [
-        json.loads(line[len(MARK) :]) for line in done.stdout.splitlines() if line.startswith(MARK)
-    ]
+class _Child:
+    """A child process running (side, setup file, work folder) jobs in turn, and the pipes by
+    which it is handed its turns (bench/real_model_sides.py's `Turns`)."""
+
+    def __init__(self, jobs: list[tuple[str, Path, Path]]) -> None:
+        argv = []
+        for side, setup_file, work in jobs:
+            work.mkdir(parents=True, exist_ok=True)
+            argv += [side, str(setup_file), str(work)]
+        go_read, self._go = os.pipe()
+        self._ready, ready_write = os.pipe()
+        # a file, not a pipe: a child must never block on its output while it waits its turn
+        self._out = tempfile.TemporaryFile("w+", encoding="utf-8")
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", *argv],
+            stdout=self._out,
+            env={**os.environ, TURNS_ENV: f"{go_read},{ready_write}"},
+            pass_fds=(go_read, ready_write),
+        )
+        os.close(go_read)
+        os.close(ready_write)
+        self.waiting = False  # blocked until handed a turn
+
+    def wait_ready(self) -> None:
+        """Block until the child waits for its turn or has ended."""
+        self.waiting = os.read(self._ready, 1) == b"r"
+
+    def turn(self) -> None:
+        """Let the child run until it waits again: one step, or its end of a job."""
+        os.write(self._go, b"g")
+        self.wait_ready()
+
+    def kill(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+
+    def results(self) -> list[dict[str, Any]]:
+        code = self._proc.wait()
+        os.close(self._go)
+        os.close(self._ready)
+        self._out.seek(0)
+        lines = self._out.read().splitlines()
+        self._out.close()
+        if code:
+            raise subprocess.CalledProcessError(code, self._proc.args)
+        return [json.loads(line[len(MARK) :]) for line in lines if line.startswith(MARK)]
+
+
+def _in_turns(groups: list[list[tuple[str, Path, Path]]]) -> list[list[dict[str, Any]]]:
+    """Each group's jobs in a child of its own, the children up at once and taking turns,
+    in an order that reverses every round so that a trend in the machine's speed falls on
+    every side alike; each child's results."""
+    children = [_Child(jobs) for jobs in groups]
+    try:
+        for child in children:  # they load their models at once
+            child.wait_ready()
+        round_ = 0
+        while any(child.waiting for child in children):
+            order = children if round_ % 2 == 0 else children[::-1]
+            for child in order:
+                if child.waiting:
+                    child.turn()
+            round_ += 1
+    except BaseException:
+        for child in children:
+            child.kill()
+        raise
+    return [child.results() for child in children]
 
 
 def _median(results: list[dict[str, Any]], key: str) -> float:
@@ -223,13 +278,21 @@ def run() -> list[dict]:
                 for side in SIDES:
                     work = scratch / "work" / f"{mode}-{side}-{round_}"
                     jobs.append((mode, round_, side, setup_file, work))
+        # children that take turns: the three sides of a round of a mode, or (smoke) one per
+        # side running its every job
+        if FRESH_PROCESS_PER_RUN:
+            keys = list(dict.fromkeys((mode, round_) for mode, round_, *_ in jobs))
+            sittings = [[j for j in jobs if (j[0], j[1]) == key] for key in keys]
+        else:
+            sittings = [jobs]
         results = {}
-        for start in range(0, len(jobs), RUNS_PER_CHILD):
-            chunk = jobs[start : start + RUNS_PER_CHILD]
-            got = _child([(side, setup_file, work) for _, _, side, setup_file, work in chunk])
-            for (mode, round_, side, _, work), result in zip(chunk, got, strict=True):
-                results[mode, round_, side] = result
-                shutil.rmtree(work, ignore_errors=True)
+        for sitting in sittings:
+            groups = [[j for j in sitting if j[2] == side] for side in SIDES]
+            got = _in_turns([[(side, setup, work) for *_, side, setup, work in g] for g in groups])
+            for group, group_results in zip(groups, got, strict=True):
+                for (mode, round_, side, _, work), result in zip(group, group_results, strict=True):
+                    results[mode, round_, side] = result
+                    shutil.rmtree(work, ignore_errors=True)
         for mode in MODES:
             runs = {side: [results[mode, r, side] for r in range(h.ROUNDS)] for side in SIDES}
             rows += _mode_rows(mode, runs)

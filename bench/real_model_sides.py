@@ -14,6 +14,11 @@ tokens its forward passes ran over (padding included) and the process's peak RSS
   SDPA, ``position_ids`` alone would let packed samples see each other).
 - ``trl``: TRL's `SFTTrainer` (``assistant_only_loss``, ``packing`` with its padding-free
   rows), counting the supervised tokens of every micro-batch it trains on.
+
+The sides run at once, one process each, and take turns a step at a time (`Turns`): a side
+waits on a pipe before each step and after its last, so only one of them computes at any
+moment and a slow spell of the machine falls on all of them alike. A step is timed from the
+moment its turn came, so getting its batch is part of it on every side.
 """
 
 from __future__ import annotations
@@ -63,6 +68,26 @@ class Result:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.step_s if self.step_s else 0.0
+
+
+TURNS_ENV = "SFT_BENCH_REAL_MODEL_TURNS"  # "go fd,ready fd" of a child taking turns
+
+
+class Turns:
+    """A side's end of the turn pipes: `take` says "ready" and blocks until told "go".
+
+    Without the pipes (a side run on its own) it only reads the clock."""
+
+    def __init__(self, fds: str | None) -> None:
+        self._go, self._ready = (int(fd) for fd in fds.split(",")) if fds else (-1, -1)
+
+    def take(self) -> float:
+        """Block until this side's turn comes; the time it came (`time.perf_counter`)."""
+        if self._go >= 0:
+            os.write(self._ready, b"r")
+            if os.read(self._go, 1) != b"g":
+                raise RuntimeError("the bench that hands out turns went away")
+        return time.perf_counter()
 
 
 def _peak_rss_mib() -> float:
@@ -128,7 +153,7 @@ def runtime_config(setup: Setup, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def train_runtime(setup: Setup, work: Path) -> Result:
+def train_runtime(setup: Setup, work: Path, turns: Turns) -> Result:
     import torch
 
     from sft_runtime.runtime.config import loader_spec, validate_config
@@ -143,7 +168,7 @@ def train_runtime(setup: Setup, work: Path) -> Result:
     per_step = []
     try:
         for _ in range(setup.steps):
-            t0 = time.perf_counter()
+            t0 = turns.take()
             loader.load()
             batch = loader.active_batch
             t1 = time.perf_counter()
@@ -168,6 +193,7 @@ def train_runtime(setup: Setup, work: Path) -> Result:
                     "real_tokens": int((batch.segment_ids >= 0).sum()),
                 }
             )
+        turns.take()
     finally:
         loader.close()
     result = Result(trainable=sum(p.numel() for p in replica.params))
@@ -277,7 +303,7 @@ def _plain_micro_batch(items, packed: bool, pad_id: int) -> _Micro:
     return _Micro(ids, mask[:, 1:], {"attention_mask": attention}, int(attention.sum()))
 
 
-def train_plain(setup: Setup, work: Path) -> Result:
+def train_plain(setup: Setup, work: Path, turns: Turns) -> Result:
     import torch
     import torch.nn.functional as F
     from transformers import AutoTokenizer
@@ -292,7 +318,7 @@ def train_plain(setup: Setup, work: Path) -> Result:
     optimizer = torch.optim.AdamW(params, lr=setup.lr, weight_decay=0.0)
     per_step = []
     for step in range(setup.steps):
-        t0 = time.perf_counter()
+        t0 = turns.take()
         chunk = [items[(step * setup.rows + i) % len(items)] for i in range(setup.rows)]
         micro = [
             _plain_micro_batch(chunk[i : i + setup.micro], setup.packed, pad_id)
@@ -302,12 +328,16 @@ def train_plain(setup: Setup, work: Path) -> Result:
         t1 = time.perf_counter()
         for m in micro:
             logits = model(input_ids=m.ids, use_cache=False, **m.kwargs).logits
+            # as transformers' own loss does: the labels shifted and padded with
+            # ignore_index, so the logits go in whole (slicing them would copy them)
+            labels = F.pad(m.ids[:, 1:], (0, 1), value=-100)
             nll = F.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                m.ids[:, 1:].reshape(-1),
+                logits.float().reshape(-1, logits.shape[-1]),
+                labels.reshape(-1),
                 reduction="none",
-            ).view_as(m.targets)
-            ((nll * m.targets).sum() / max(total, 1)).backward()
+                ignore_index=-100,
+            ).view_as(labels)
+            ((nll * F.pad(m.targets, (0, 1))).sum() / max(total, 1)).backward()
         t2 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -324,12 +354,13 @@ def train_plain(setup: Setup, work: Path) -> Result:
                 "real_tokens": sum(m.real for m in micro),
             }
         )
+    turns.take()
     result = Result(trainable=sum(p.numel() for p in params))
     return _window(result, per_step, setup.warmup)
 
 
 # ----------------------------------------------------------------------------- TRL
-def train_trl(setup: Setup, work: Path) -> Result:
+def train_trl(setup: Setup, work: Path, turns: Turns) -> Result:
     import warnings
 
     import torch
@@ -395,14 +426,17 @@ def train_trl(setup: Setup, work: Path) -> Result:
             seen["real"] += int(mask.sum()) if mask is not None else labels.numel()
             return super().training_step(model, inputs, num_items_in_batch)
 
-    marks: list[tuple[float, dict[str, int]]] = []
+    # (turn came, step ended, counts at its end): the trainer gets its batch between the two
+    marks: list[tuple[float, float, dict[str, int]]] = []
+    came = [0.0]
 
     class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            marks.append((time.perf_counter(), dict(seen)))
-
         def on_train_begin(self, args, state, control, **kwargs):
-            marks.append((time.perf_counter(), dict(seen)))
+            came[0] = turns.take()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            marks.append((came[0], time.perf_counter(), dict(seen)))
+            came[0] = turns.take()
 
     trainer = Counting(
         model=model,
@@ -414,15 +448,17 @@ def train_trl(setup: Setup, work: Path) -> Result:
     )
     trainer.train()
     per_step = []
-    for (t_prev, prev), (t_now, now) in zip(marks, marks[1:], strict=False):
+    before = {"tokens": 0, "computed": 0, "real": 0}
+    for start, end, now in marks:
         per_step.append(
             {
-                "step_s": t_now - t_prev,
-                "tokens": now["tokens"] - prev["tokens"],
-                "computed_tokens": now["computed"] - prev["computed"],
-                "real_tokens": now["real"] - prev["real"],
+                "step_s": end - start,
+                "tokens": now["tokens"] - before["tokens"],
+                "computed_tokens": now["computed"] - before["computed"],
+                "real_tokens": now["real"] - before["real"],
             }
         )
+        before = now
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result = Result(trainable=trainable)
     if setup.packed and trainer.model.config._attn_implementation == "sdpa":
@@ -440,5 +476,5 @@ def run_side(side: str, setup_file: str, work: str) -> dict[str, Any]:
     os.environ.setdefault("TQDM_DISABLE", "1")
     setup = Setup(**json.loads(Path(setup_file).read_text()))
     torch.set_num_threads(setup.threads)
-    result = SIDES[side](setup, Path(work))
+    result = SIDES[side](setup, Path(work), Turns(os.environ.get(TURNS_ENV)))
     return {**asdict(result), "tokens_per_s": result.tokens_per_s}
