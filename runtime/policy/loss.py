@@ -16,6 +16,9 @@ if TYPE_CHECKING:  # imported where the loss runs (the workers), not where it is
     import torch
 
 
+IGNORED = -100  # a target that scores nothing (cross_entropy's ignore_index)
+
+
 class NLLLossFn:
     """Mean NLL over the supervised tokens of a global batch (logits at t-1 predict t).
 
@@ -39,12 +42,18 @@ class NLLLossFn:
         import torch
         import torch.nn.functional as F
 
-        targets = batch.input_ids[:, 1:].to(logits.device)
-        mask = batch.loss_mask[:, 1:].to(device=logits.device, dtype=torch.float32)
+        # every position t is scored against token t + 1, the last against nothing
+        # (IGNORED): the logits go in whole, where slicing off their last position would
+        # copy all of them (a row's logits are a vocabulary wide) whenever a micro-batch has
+        # more than one row, and copy their gradient back in the backward pass
+        ids = batch.input_ids.to(logits.device)
+        targets = F.pad(ids[:, 1:], (0, 1), value=IGNORED)
+        mask = F.pad(batch.loss_mask[:, 1:], (0, 1)).to(device=logits.device, dtype=torch.float32)
         nll = F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            logits.float().reshape(-1, logits.shape[-1]),
             targets.reshape(-1),
             reduction="none",
+            ignore_index=IGNORED,
         ).view_as(mask)
         nll_sum = (nll * mask).sum()
         loss = nll_sum / max(int(global_valid_tokens), 1)
