@@ -16,11 +16,12 @@ The three sides of a mode train at once, each in a fresh process, and take turns
 time (plain, runtime, TRL, then TRL, runtime, plain, ...; `_in_turns`), so only one computes
 at any moment and a busy spell of the machine weighs on all of them; a ratio is the median
 of the rounds' (each round three fresh processes, since processes of the same program
-differ by a few percent here). Figures: supervised tokens per second over the steps after the warm-up, and the
-process's peak RSS. Targets: sft-runtime's time per supervised token <= 1.05x the plain
-loop's (its step time on the same tokens), its tokens/s >= 1.0x TRL's in every mode. Where
-one is missed, rows say where the time went (getting the batch, forward/backward, the
-optimizer step) and how many positions the forward passes ran over for each real one.
+differ by a few percent here). Figures: supervised tokens per second over the steps after
+the warm-up, and the process's peak RSS. Targets: sft-runtime's time per supervised token
+<= 1.05x the plain loop's (its step time on the same tokens), its tokens/s >= 1.0x TRL's in
+every mode. Where one is missed, rows say where the time went (getting the batch,
+forward/backward, the optimizer step) and how many positions the forward passes ran over for
+each real one.
 
 Smoke mode runs the same code on a tiny Qwen2 model built here (no download), 3 steps, each
 side's modes one after another in one child process, the three children taking turns.
