@@ -15,7 +15,7 @@ clipping at 1.0, float32 (TRL's bf16 and activation-checkpointing defaults turne
 The three sides of a mode train at once, each in a fresh process, and take turns a step at a
 time (plain, runtime, TRL, then TRL, runtime, plain, ...; `_in_turns`), so only one computes
 at any moment and a busy spell of the machine weighs on all of them; a ratio is the median
-of the rounds' (each round three fresh processes, since processes of the same program
+of three rounds' (each round three fresh processes, since processes of the same program
 differ by a few percent here). Figures: supervised tokens per second over the steps after
 the warm-up, and the process's peak RSS. Targets: sft-runtime's time per supervised token
 <= 1.05x the plain loop's (its step time on the same tokens), its tokens/s >= 1.0x TRL's in
@@ -48,6 +48,9 @@ from bench.real_model_sides import TURNS_ENV, Setup, run_side  # noqa: E402
 from bench.table import Row  # noqa: E402
 
 STEPS = h.pick(6, 3)
+# rounds of fresh processes: two processes of the same program differ by a few percent here,
+# so a ratio is the median of three rounds' (one odd process pair cannot move it)
+ROUNDS = h.pick(3, 1)
 WARMUP = h.pick(2, 1)
 SEQ = 256
 MODES: dict[str, dict[str, Any]] = {
@@ -178,13 +181,12 @@ def _mode_rows(mode: str, runs: dict[str, list[dict[str, Any]]]) -> list[Row]:
     ours, plain, trl = runs["runtime"], runs["plain"], runs["trl"]
     label = "LoRA vs TRL + peft" if mode == "lora" else f"{mode}"
     # time per supervised token: the step time of a step of the same tokens
-    per_token = statistics.median(
+    per_token_rounds = [
         (o["step_s"] / o["tokens_per_step"]) / (p["step_s"] / p["tokens_per_step"])
         for o, p in zip(ours, plain, strict=True)
-    )
-    vs_trl = statistics.median(
-        o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, trl, strict=True)
-    )
+    ]
+    vs_trl_rounds = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, trl, strict=True)]
+    per_token, vs_trl = statistics.median(per_token_rounds), statistics.median(vs_trl_rounds)
     rows = [
         Row(
             name=f"{label}: step time per supervised token, sft-runtime vs plain loop",
@@ -210,6 +212,16 @@ def _mode_rows(mode: str, runs: dict[str, list[dict[str, Any]]]) -> list[Row]:
             unit="tok/s",
         ),
     ]
+    for ratios, name in ((per_token_rounds, "step vs plain loop"), (vs_trl_rounds, "vs TRL")):
+        rows.append(
+            Row(
+                name=f"{label}: {name}, each round ("
+                + ", ".join(f"{r:.3f}" for r in ratios)
+                + "); their spread",
+                value=max(ratios) - min(ratios),
+                unit="x",
+            )
+        )
     for other, name in ((plain, "plain loop"), (trl, "TRL")):
         rows.append(
             Row(
@@ -275,7 +287,7 @@ def run() -> list[dict]:
             )
             setup_file = scratch / f"{mode}.json"
             setup_file.write_text(json.dumps(asdict(setup)))
-            for round_ in range(h.ROUNDS):
+            for round_ in range(ROUNDS):
                 for side in SIDES:
                     work = scratch / "work" / f"{mode}-{side}-{round_}"
                     jobs.append((mode, round_, side, setup_file, work))
@@ -295,7 +307,7 @@ def run() -> list[dict]:
                     results[mode, round_, side] = result
                     shutil.rmtree(work, ignore_errors=True)
         for mode in MODES:
-            runs = {side: [results[mode, r, side] for r in range(h.ROUNDS)] for side in SIDES}
+            runs = {side: [results[mode, r, side] for r in range(ROUNDS)] for side in SIDES}
             rows += _mode_rows(mode, runs)
             trainable = runs["runtime"][0]["trainable"]
             rows.append(Row(name=f"{mode}: trainable parameters", value=trainable / 1e6, unit="M"))
