@@ -59,7 +59,7 @@ def _ray_tmpdir():
 
 
 @pytest.fixture(scope="session")
-def ray_session(tmp_path_factory):
+def ray_session():
     """Start one local Ray for the whole session (3-7 s), only when a test needs it."""
     import ray
 
@@ -68,7 +68,9 @@ def ray_session(tmp_path_factory):
     # its workers start at the niceness runs use (Ray's 15 crawls on a busy machine); a run
     # that wants another value moves its own processes there (test_niceness.py)
     os.environ.setdefault(RAY_NICENESS_ENV, "0")
-    temp_dir = tmp_path_factory.mktemp("ray")
+    # a short root of its own: Ray's unix socket paths must stay under 108 bytes, and pytest's
+    # temporary folders grow with each worker's name
+    temp_dir = tempfile.mkdtemp(prefix="sftray-session-")
     ray.init(
         address="local",
         num_cpus=8,
@@ -81,6 +83,7 @@ def ray_session(tmp_path_factory):
         yield ray
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- data sets

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,33 +68,32 @@ def _stop(marker: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
-    temp = tmp_path_factory.mktemp("raynodes")
+def two_nodes():
+    # a short root of its own: Ray's unix socket paths must stay under 108 bytes, and pytest's
+    # temporary folders grow with each worker's name
+    temp = Path(tempfile.mkdtemp(prefix="sftnodes-"))
     marker = str(temp)
     ray = str(BIN_DIR / "ray")
     common = ["--num-cpus=1", f"--temp-dir={temp}", "--disable-usage-stats"]
     try:
-        head = subprocess.run(
-            [ray, "start", "--head", "--port=0", "--include-dashboard=false", *common],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=120,
-            check=True,
-        )
-        address = re.search(r"ray start --address='([^']+)'", head.stdout + head.stderr).group(1)
-        subprocess.run(
-            [ray, "start", f"--address={address}", *common],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=120,
-            check=True,
-        )
+        head = _ray_start(ray, "--head", "--port=0", "--include-dashboard=false", *common)
+        address = re.search(r"ray start --address='([^']+)'", head).group(1)
+        _ray_start(ray, f"--address={address}", *common)
         yield address
     finally:
         _stop(marker)
         assert not _ray_processes(marker), "processes of the two-node cluster survived"
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _ray_start(ray: str, *args: str) -> str:
+    """`ray start` with ``args``; its output. A failure says what Ray printed."""
+    done = subprocess.run(
+        [ray, "start", *args], capture_output=True, text=True, env=_env(), timeout=120
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"ray start {' '.join(args)} exited {done.returncode}:\n{output}"
+    return output
 
 
 def _train(config: Path, run_dir: Path, *overrides: str, timeout: float = 300):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import time
 from pathlib import Path
 
 import pytest
@@ -115,12 +114,11 @@ def test_only_the_headers_are_read(single):
         io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
         return int(io["rchar"])
 
-    before, t0 = read_bytes(), time.perf_counter()
+    before = read_bytes()
     check_hf_weights(str(single), config)
-    seconds, read = time.perf_counter() - t0, read_bytes() - before
+    read = read_bytes() - before
     assert (single / WEIGHTS).stat().st_size > 64 * 2**20
     assert read < 256 * 1024, read
-    assert seconds < 0.5, seconds
 
 
 # ----------------------------------------------------------------------------- missing files
