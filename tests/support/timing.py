@@ -42,13 +42,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if not _SECONDS:
         return
     total = sum(_SECONDS.values())
     terminalreporter.section(f"time by test file (the {SHOWN} slowest of {len(_SECONDS)})")
     for path, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:SHOWN]:
         terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {path}")
-    terminalreporter.write_line(
-        f"{total:8.1f}s in all test phases (summed over the workers that ran them at once)"
-    )
+    at_once = getattr(config.option, "numprocesses", None)  # pytest-xdist's -n
+    summed = f" (summed over {at_once} workers that ran them at once)" if at_once else ""
+    terminalreporter.write_line(f"{total:8.1f}s in all test phases{summed}")

@@ -86,6 +86,25 @@ def test_loss_is_normalized_by_the_global_token_count():
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
 
 
+def test_the_loss_gradient_is_the_sliced_logits_gradient_bit_for_bit():
+    """The loss scores every position against the next token (the last against nothing)
+    rather than slicing the logits; the gradient it gives is that of the sliced form exactly,
+    for a micro-batch of several rows (where slicing copies)."""
+    batch = sources.global_batch(3, 2, 0, rows=4, seq_len=SEQ_LEN, vocab_size=VOCAB)
+    logits = torch.randn(batch.num_rows, SEQ_LEN, VOCAB, requires_grad=True)
+    loss, metrics = NLLLossFn()(logits, batch, 37)
+    (ours,) = torch.autograd.grad(loss, logits)
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB), batch.input_ids[:, 1:].reshape(-1), reduction="none"
+    ).view(batch.num_rows, SEQ_LEN - 1)
+    sliced = (nll * batch.loss_mask[:, 1:]).sum() / 37
+    (reference,) = torch.autograd.grad(sliced, logits)
+    assert torch.equal(ours, reference)
+    assert not ours[:, -1].any()  # the last position predicts nothing
+    torch.testing.assert_close(loss, sliced, rtol=1e-6, atol=0)
+    assert metrics["valid_tokens"] == batch.loss_mask[:, 1:].sum()
+
+
 def test_loss_ignores_unsupervised_tokens_and_survives_zero_tokens():
     batch = sources.make_batch(1, 0, 0, rows=2, seq_len=SEQ_LEN, vocab_size=VOCAB)
     empty = SFTBatch(
