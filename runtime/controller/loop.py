@@ -54,7 +54,7 @@ from sft_runtime.runtime.process.liveness import check_driver
 from sft_runtime.runtime.process.niceness import controller_niceness, set_niceness
 from sft_runtime.runtime.process.step_census import step_census
 from sft_runtime.runtime.resume.input_identity import config_identities
-from sft_runtime.runtime.workers.group import Pending
+from sft_runtime.runtime.workers.calls import Pending
 from sft_runtime.runtime.workers.results import StepStarted, StepTrained
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase, fold
 from sft_runtime.traces.context import attached, inject_carrier

@@ -38,7 +38,7 @@ from typing import Any
 from sft_runtime.runtime.checkpoint.save import Checkpointer
 from sft_runtime.runtime.controller.save_ahead import SaveAhead
 from sft_runtime.runtime.errors import quietly
-from sft_runtime.runtime.workers.group import Pending
+from sft_runtime.runtime.workers.calls import Pending
 from sft_runtime.states import SFTV2SaveState
 from sft_runtime.traces.step_trace import StepTrace, TraceOrigin
 

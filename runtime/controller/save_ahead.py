@@ -27,7 +27,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from sft_runtime.runtime.checkpoint.save import DISCARD_WAIT_S, Checkpointer, CheckpointWrite
-from sft_runtime.runtime.workers.group import Pending
+from sft_runtime.runtime.workers.calls import Pending
 from sft_runtime.states import SFTV2SaveState
 from sft_runtime.traces.context import TRACER, inject_carrier
 from sft_runtime.traces.spans import SAVE_SPAN, record_error

@@ -18,7 +18,8 @@ from sft_runtime.runtime.data.batch import StepEnvelope
 from sft_runtime.runtime.data.placement import build_placement_plan
 from sft_runtime.runtime.launch.setup import SFTV2ActorArgs
 from sft_runtime.runtime.policy.step_outcome import StepFinished
-from sft_runtime.runtime.workers.group import Pending, PolicyWorkerError, WorkerCalls
+from sft_runtime.runtime.workers.calls import Pending, WorkerCalls
+from sft_runtime.runtime.workers.group import PolicyWorkerError
 from sft_runtime.runtime.workers.results import StepStarted, StepTrained
 from sft_runtime.states import SFTV2SaveState
 from tests.support.small_run import small_config
