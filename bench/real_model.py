@@ -16,12 +16,13 @@ The three sides of a mode train at once, each in a fresh process, and take turns
 time (plain, runtime, TRL, then TRL, runtime, plain, ...; `_in_turns`), so only one computes
 at any moment and a busy spell of the machine weighs on all of them; a ratio is the median
 of three rounds' (each round three fresh processes, since processes of the same program
-differ by a few percent here). Figures: supervised tokens per second over the steps after
-the warm-up, and the process's peak RSS. Targets: sft-runtime's time per supervised token
-<= 1.05x the plain loop's (its step time on the same tokens), its tokens/s >= 1.0x TRL's in
-every mode. Where one is missed, rows say where the time went (getting the batch,
-forward/backward, the optimizer step) and how many positions the forward passes ran over for
-each real one.
+differ by a few percent here), and each side opens one round of the three (the side that
+opens and the side that closes go twice in a row at every reversal). Figures: supervised
+tokens per second over the steps after the warm-up, and the process's peak RSS. Targets:
+sft-runtime's time per supervised token <= 1.05x the plain loop's (its step time on the same
+tokens), its tokens/s >= 1.0x TRL's in every mode. Where one is missed, rows say where the
+time went (getting the batch, forward/backward, the optimizer step) and how many positions
+the forward passes ran over for each real one.
 
 Smoke mode runs the same code on a tiny Qwen2 model built here (no download), 3 steps, each
 side's modes one after another in one child process, the three children taking turns.
@@ -46,6 +47,7 @@ if not __package__:  # run as a script: make `bench` and `tests` importable
 from bench import harness as h  # noqa: E402
 from bench.real_model_sides import TURNS_ENV, Setup, run_side  # noqa: E402
 from bench.table import Row  # noqa: E402
+from sft_runtime.runtime.process.heap import worker_heap_env  # noqa: E402
 
 STEPS = h.pick(6, 3)
 # rounds of fresh processes: two processes of the same program differ by a few percent here,
@@ -114,12 +116,14 @@ class _Child:
             argv += [side, str(setup_file), str(work)]
         go_read, self._go = os.pipe()
         self._ready, ready_write = os.pipe()
+        # the runtime's side starts as a policy worker does (runtime/process/heap.py)
+        heap = worker_heap_env() if {side for side, *_ in jobs} == {"runtime"} else {}
         # a file, not a pipe: a child must never block on its output while it waits its turn
         self._out = tempfile.TemporaryFile("w+", encoding="utf-8")
         self._proc = subprocess.Popen(
             [sys.executable, __file__, "--child", *argv],
             stdout=self._out,
-            env={**os.environ, TURNS_ENV: f"{go_read},{ready_write}"},
+            env={**os.environ, **heap, TURNS_ENV: f"{go_read},{ready_write}"},
             pass_fds=(go_read, ready_write),
         )
         os.close(go_read)
@@ -151,17 +155,22 @@ class _Child:
         return [json.loads(line[len(MARK) :]) for line in lines if line.startswith(MARK)]
 
 
-def _in_turns(groups: list[list[tuple[str, Path, Path]]]) -> list[list[dict[str, Any]]]:
+def _in_turns(
+    groups: list[list[tuple[str, Path, Path]]], first: int = 0
+) -> list[list[dict[str, Any]]]:
     """Each group's jobs in a child of its own, the children up at once and taking turns,
     in an order that reverses every round so that a trend in the machine's speed falls on
-    every side alike; each child's results."""
+    every side alike; each child's results. ``first``: the group that goes first. The ends
+    of the order go twice in a row at every reversal and the middle never does, so the
+    rounds of a mode give each side the first place in turn."""
     children = [_Child(jobs) for jobs in groups]
     try:
         for child in children:  # they load their models at once
             child.wait_ready()
         round_ = 0
+        rotated = children[first:] + children[:first]
         while any(child.waiting for child in children):
-            order = children if round_ % 2 == 0 else children[::-1]
+            order = rotated if round_ % 2 == 0 else rotated[::-1]
             for child in order:
                 if child.waiting:
                     child.turn()
@@ -232,6 +241,16 @@ def _mode_rows(mode: str, runs: dict[str, list[dict[str, Any]]]) -> list[Row]:
                 ratio=_median(ours, "peak_rss_mib") / _median(other, "peak_rss_mib"),
             )
         )
+    rows.append(
+        Row(
+            name=f"{label}: minor page faults a step, sft-runtime's worker vs plain loop "
+            f"(TRL {_median(trl, 'minor_faults') / 1e3:,.0f}k)",
+            value=_median(ours, "minor_faults") / 1e3,
+            unit="k",
+            reference=_median(plain, "minor_faults") / 1e3,
+            ratio=_median(ours, "minor_faults") / max(_median(plain, "minor_faults"), 1),
+        )
+    )
     if not (rows[0].ok and rows[1].ok):
         rows += _where_the_time_goes(label, runs)
     for note in sorted({n for r in trl for n in r.get("notes", [])}):
@@ -301,7 +320,10 @@ def run() -> list[dict]:
         results = {}
         for sitting in sittings:
             groups = [[j for j in sitting if j[2] == side] for side in SIDES]
-            got = _in_turns([[(side, setup, work) for *_, side, setup, work in g] for g in groups])
+            first = sitting[0][1] % len(SIDES)  # the round: each side opens one of three
+            got = _in_turns(
+                [[(side, setup, work) for *_, side, setup, work in g] for g in groups], first
+            )
             for group, group_results in zip(groups, got, strict=True):
                 for (mode, round_, side, _, work), result in zip(group, group_results, strict=True):
                     results[mode, round_, side] = result

@@ -62,6 +62,9 @@ class Result:
     computed_tokens: float = 0.0  # per step: positions the forward passes ran over
     real_tokens: float = 0.0  # per step: positions holding a token
     peak_rss_mib: float = 0.0
+    # per step: minor page faults, memory the process touched for the first time (fresh
+    # pages from the kernel, zeroed, where a reused buffer costs nothing)
+    minor_faults: float = 0.0
     trainable: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -80,6 +83,7 @@ class Turns:
 
     def __init__(self, fds: str | None) -> None:
         self._go, self._ready = (int(fd) for fd in fds.split(",")) if fds else (-1, -1)
+        self.faults: list[int] = []  # the process's minor page faults at each turn
 
     def take(self) -> float:
         """Block until this side's turn comes; the time it came (`time.perf_counter`)."""
@@ -87,7 +91,14 @@ class Turns:
             os.write(self._ready, b"r")
             if os.read(self._go, 1) != b"g":
                 raise RuntimeError("the bench that hands out turns went away")
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
         return time.perf_counter()
+
+    def faults_per_step(self, warmup: int) -> float:
+        """Mean minor page faults of a step after the warm-up (a step runs from one turn to
+        the next)."""
+        steps = [b - a for a, b in zip(self.faults, self.faults[1:], strict=False)][warmup:]
+        return sum(steps) / len(steps) if steps else 0.0
 
 
 def _peak_rss_mib() -> float:
@@ -476,5 +487,7 @@ def run_side(side: str, setup_file: str, work: str) -> dict[str, Any]:
     os.environ.setdefault("TQDM_DISABLE", "1")
     setup = Setup(**json.loads(Path(setup_file).read_text()))
     torch.set_num_threads(setup.threads)
-    result = SIDES[side](setup, Path(work), Turns(os.environ.get(TURNS_ENV)))
+    turns = Turns(os.environ.get(TURNS_ENV))
+    result = SIDES[side](setup, Path(work), turns)
+    result.minor_faults = turns.faults_per_step(setup.warmup)
     return {**asdict(result), "tokens_per_s": result.tokens_per_s}

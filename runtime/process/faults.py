@@ -120,12 +120,13 @@ def _hold_at(path: str, point: str, step: int | None, rank: int | None) -> None:
         time.sleep(0.01)
 
 
-def actor_fault_options() -> dict:
+def actor_fault_options(env: dict[str, str] | None = None) -> dict:
     """Ray options that hand this process's fault variables (and the step census's,
-    `step_census`) to an actor it starts: an
-    existing cluster's actors do not inherit the driver's environment. Empty when none is
-    set, so a normal run's actors are started exactly as before."""
+    `step_census`) to an actor it starts, beside ``env``: an existing cluster's actors do
+    not inherit the driver's environment. Empty when there is nothing to hand, so the
+    controller of a normal run is started as Ray starts any actor."""
     from sft_runtime.runtime.process.step_census import ENV as CENSUS_ENV
 
-    env = {k: v for k, v in os.environ.items() if k.startswith((ENV, CENSUS_ENV))}
+    handed = {k: v for k, v in os.environ.items() if k.startswith((ENV, CENSUS_ENV))}
+    env = {**(env or {}), **handed}
     return {"runtime_env": {"env_vars": env}} if env else {}

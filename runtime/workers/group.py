@@ -27,6 +27,7 @@ from sft_runtime.runtime.errors import PeerStepError, UserInputError
 from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 from sft_runtime.runtime.policy.config import PolicyConfig, check_batch_layout, parse_section
 from sft_runtime.runtime.process.faults import actor_fault_options
+from sft_runtime.runtime.process.heap import worker_heap_env
 from sft_runtime.runtime.workers.actor import POLICY_WORKER
 from sft_runtime.runtime.workers.actor_exit import kill_and_wait
 from sft_runtime.runtime.workers.calls import CheckpointLoad, Pending, Ranks, WorkerCalls
@@ -108,7 +109,7 @@ class PolicyWorkerGroup(WorkerCalls):
                 scheduling_strategy=strategy,
                 max_restarts=0,
                 max_task_retries=0,
-                **actor_fault_options(),
+                **actor_fault_options(worker_heap_env()),
             ).remote(rank, self.world_size, self.policy, self.cluster, seed)
             self.workers.append(actor)
 

@@ -62,3 +62,14 @@ def _peak_rss(worker: Any) -> int:
 def peak_rss_bytes(group: Any) -> list[int]:
     """Peak resident memory of each worker process."""
     return group.probe(_peak_rss)
+
+
+def _heap_env(worker: Any) -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+
+
+def heap_env(group: Any) -> list[dict[str, str]]:
+    """The glibc malloc variables each worker process started with."""
+    return group.probe(_heap_env)

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.policy.loss import NLLLossFn
+from sft_runtime.runtime.process.heap import worker_heap_env
 from sft_runtime.runtime.workers.cluster import PlacementError
 from sft_runtime.runtime.workers.group import PolicyWorkerError, PolicyWorkerGroup
 from tests.support import sources, worker_probes
@@ -228,6 +229,14 @@ def test_a_failed_background_checkpoint_is_reported_by_the_wait(straight, tmp_pa
     with pytest.raises(PolicyWorkerError, match="Not a directory|not a directory"):
         group.wait(written)
     one_step(group)  # the group trains on
+
+
+def test_the_workers_start_with_a_heap_that_keeps_freed_memory(straight):
+    # runtime/process/heap.py: glibc reads these once, at the process's start
+    want = worker_heap_env()
+    assert want, "this test runs on Linux with glibc"
+    for env in worker_probes.heap_env(straight["group"]):
+        assert {k: env.get(k) for k in want} == want
 
 
 def test_restore_refuses_another_thread_count_and_cleans_up(straight, policy_cfg, cluster_cfg):
