@@ -29,6 +29,7 @@ from sft_runtime.runtime.launch.ray_session import remove_session_at_exit
 from sft_runtime.runtime.launch.run_lock import check_not_held
 from sft_runtime.runtime.metrics.superseded import drop_superseded_rows
 from sft_runtime.runtime.policy.cluster_config import ClusterConfig
+from sft_runtime.runtime.process.heap import worker_heap_env
 from sft_runtime.runtime.process.liveness import driver_alive, driver_identity
 from sft_runtime.runtime.process.niceness import embedded_ray_env
 from sft_runtime.runtime.resume.config_change import ConfigRecord, resume_config, resume_notes
@@ -113,6 +114,10 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.update(embedded_ray_env(cluster.worker_niceness))  # inherited by the raylet
+    # and so by every worker it starts, those it starts ahead of need too: the worker group
+    # then finds the heap set here and hands nothing through a runtime_env, whose actors
+    # would each need a process of their own (runtime/process/heap.py)
+    os.environ.update(worker_heap_env())
     needed = cluster.world_size * cluster.cpus_per_worker
     ray.init(
         address="local",

@@ -13,8 +13,10 @@ grows its heap rather than mapping a block apart), never to map a block apart, a
 trim the heap's free top. The freed blocks are reused from the second step on: a tenth of
 the faults, steps about 10% shorter, for a peak RSS a few percent higher (a reused block
 can be larger than what asks for it). The variables must be in the environment the process
-starts with, since glibc reads them once, before any thread exists; a value the user
-exported wins. Other C libraries ignore them.
+starts with, since glibc reads them once, before any thread exists: an embedded Ray gets
+them from the driver (so its raylet hands them to every worker it starts), an existing
+cluster's workers through their actor's runtime_env. A value the user exported wins. Other
+C libraries ignore them.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ WORKER_HEAP = {
 
 
 def worker_heap_env() -> dict[str, str]:
-    """The variables a policy worker starts with, less those this process has set; empty
-    where the C library is not glibc."""
+    """The variables a policy worker starts with, less those this process has set (the
+    user's, or an embedded Ray's that its workers inherit); empty where the C library is
+    not glibc."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return {}
     return {k: v for k, v in WORKER_HEAP.items() if k not in os.environ}
