@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 from sft_runtime.events import read_log
 from sft_runtime.runtime.launch.driver import run_training
 from sft_runtime.runtime.process.faults import ENV, HOLD_ENV
+from sft_runtime.runtime.process.heap import WORKER_HEAP
 from sft_runtime.runtime.process.niceness import CONTROLLER_OFFSET, RAY_NICENESS_ENV
 from tests.support.reliability import TAG_VAR
 from tests.support.small_run import small_config
@@ -37,10 +39,11 @@ from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 ensure_ray(ClusterConfig(worker_niceness=int(sys.argv[1])))
 
 @ray.remote
-def niceness():
-    return os.getpriority(os.PRIO_PROCESS, 0)
+def niceness_and_heap():
+    heap = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    return {"worker": os.getpriority(os.PRIO_PROCESS, 0), "heap": heap}
 
-print(json.dumps({"worker": ray.get(niceness.remote())}))
+print(json.dumps(ray.get(niceness_and_heap.remote())))
 ray.shutdown()
 """
 
@@ -57,12 +60,14 @@ def _niceness(pid: int) -> set[int]:
     return values
 
 
-def test_an_embedded_ray_starts_its_workers_at_the_run_niceness(launch_env):
+def test_an_embedded_ray_starts_its_workers_at_the_run_niceness_with_the_worker_heap(
+    launch_env,
+):
     ray_tmp, tag = launch_env  # a short root for Ray's sockets; leftovers ended by tag
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("RAY_ADDRESS") and k != RAY_NICENESS_ENV
+        if not k.startswith(("RAY_ADDRESS", "MALLOC_")) and k != RAY_NICENESS_ENV
     }
     env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(ray_tmp))
     env[TAG_VAR] = f"{tag}:embedded"
@@ -74,8 +79,11 @@ def test_an_embedded_ray_starts_its_workers_at_the_run_niceness(launch_env):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    # a task runs in a plain Ray worker, which nothing reniced after its start
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"worker": 4}
+    # a task runs in a plain Ray worker, which nothing reniced after its start, and whose
+    # heap variables came from the raylet's environment (runtime/process/heap.py)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert got == {"worker": 4, "heap": WORKER_HEAP if glibc else {}}
 
 
 def test_the_controller_and_workers_move_to_the_run_niceness(
