@@ -105,9 +105,10 @@ def check_optimizer(name: str, kwargs: Mapping[str, Any]) -> None:
     Built over no parameter at all, the optimizer checks its arguments and stops at the base
     class's refusal of an empty list. That keeps the driver from importing torch's compiler,
     which a parameter group pulls in (about 1 s on a 2-core machine, at every launch). Only
-    the flags torch checks once the group is added cost a build over a stand-in parameter.
+    a flag torch checks once the group is added, turned on, costs a build over a stand-in
+    parameter: turned off (NeMo RL's ``foreach: false, fused: false``) it refuses nothing.
     """
-    late = any(flag in kwargs for flag in LATE_CHECKED_FLAGS)
+    late = any(kwargs.get(flag) for flag in LATE_CHECKED_FLAGS)
     params = [torch.nn.Parameter(torch.zeros(1))] if late else []
     try:
         build_optimizer(params, name, kwargs)

@@ -1,11 +1,11 @@
-"""The controller's own code never imports torch: its loop drives workers, it trains nothing.
+"""The controller never imports torch: its loop drives workers, it trains nothing.
 
-torch costs a process about 190 MiB and seconds of import. In a real run Ray still loads
-the worker's actor class (and with it torch) when the controller unpickles the workers'
-handles (`ray.actor.ActorHandle._deserialization_helper` fetches the class from the GCS),
-so this keeps the loop, the config and the resume checks from adding imports of their own.
-The config is built here and handed over pickled, as Ray hands it to the controller actor
-(unpickling a config checks nothing again).
+torch costs a process about 190 MiB and seconds of import. The workers' actor class that
+Ray loads when the controller unpickles their handles is torch-free
+(`runtime/workers/actor.py`), so this keeps the loop, the config, the resume checks and
+the metrics backends a default config turns on (TensorBoard, where it is installed) from
+adding imports of their own. The config is built here and handed over pickled, as Ray
+hands it to the controller actor (unpickling a config checks nothing again).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ print("steps", summary["total_steps"], "torch", "torch" in sys.modules)
 """
 
 
-def test_a_run_of_the_controller_loop_leaves_torch_unimported(tmp_path):
-    config = small_config(tmp_path / "run", tmp_path / "data", 4)
+def test_a_run_of_the_controller_loop_with_tensorboard_on_leaves_torch_unimported(tmp_path):
+    config = small_config(tmp_path / "run", tmp_path / "data", 4, "logger.tensorboard_enabled=true")
+    assert config.logger.tensorboard_enabled
     blob = tmp_path / "config.pickle"
     blob.write_bytes(pickle.dumps(config))
     code = CHILD.format(root=str(ROOT), config=str(blob))

@@ -5,6 +5,8 @@ steps it rolled back."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from sft_runtime.runtime.config import validate_config
 from sft_runtime.runtime.config_files.overrides import apply_override
 from sft_runtime.runtime.errors import UserInputError
 from sft_runtime.runtime.metrics.metrics_log import MetricsLogger, read_metrics
+from sft_runtime.runtime.metrics.tensorboard_log import crc32c
 from tests.support.small_run import small_raw
 
 INSTALL = "pip install 'sft-runtime[tensorboard]'"
@@ -80,14 +83,8 @@ def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_tensorboard_gets_the_jsonl_keys_and_a_resume_hides_rolled_back_steps(
-    tmp_path, monkeypatch
-):
-    from tensorboard.summary.writer import event_file_writer
-
-    # event files of one second sort by a process-wide counter: start it afresh so the
-    # second writer's file sorts after the first's, as a later attempt's does by its time
-    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
+def test_tensorboard_gets_the_jsonl_keys_and_a_resume_hides_rolled_back_steps(tmp_path):
+    # both attempts open their files in the same second: the later one's sorts after
     first = MetricsLogger(tmp_path, tensorboard=True)
     for step in range(1, 6):  # attempt 1 gets to step 5, then crashes
         first.log(step, {"loss": float(step), "valid_tokens": 10 * step, "note": "x", "ok": True})
@@ -120,3 +117,34 @@ def test_tensorboard_off_writes_no_event_files(tmp_path):
     logger.close()
     assert not (tmp_path / "tensorboard").exists()
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "train": {"loss": 1.0}}]
+
+
+def test_the_record_checksum_is_crc32c():
+    assert crc32c(b"123456789") == 0xE3069283  # the standard check value of CRC-32C
+    assert crc32c(b"") == 0
+
+
+def test_a_record_cut_short_by_a_crash_loses_that_step_alone(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    for step in (1, 2, 3):
+        logger.log(step, {"loss": float(step)})
+    logger.close()
+    (events,) = (tmp_path / "tensorboard").iterdir()
+    data = events.read_bytes()
+    events.write_bytes(data[:-3])  # the last step's record, as a kill mid-write leaves it
+    assert _scalars(tmp_path) == {"train/loss": [(1, 1.0), (2, 2.0)]}
+
+
+def test_the_controller_process_writes_event_files_without_torch(tmp_path):
+    code = (
+        "import sys\n"
+        "from sft_runtime.runtime.metrics.metrics_log import MetricsLogger\n"
+        f"logger = MetricsLogger({str(tmp_path)!r}, tensorboard=True, first_step=3)\n"
+        "logger.log(3, {'loss': 0.5})\n"
+        "logger.close()\n"
+        "print('torch' in sys.modules, 'numpy' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "False"]
+    assert _scalars(tmp_path) == {"train/loss": [(3, 0.5)]}

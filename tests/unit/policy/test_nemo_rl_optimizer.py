@@ -173,6 +173,8 @@ def test_a_good_optimizer_is_checked_without_torchs_compiler():
         "from sft_runtime.runtime.policy.schedule import check_optimizer\n"
         "check_optimizer('torch.optim.AdamW', {'lr': 1e-3, 'betas': [0.9, 0.98]})\n"
         "check_optimizer('torch.optim.SGD', {'lr': 0.1, 'momentum': 0.9})\n"
+        "from sft_runtime.runtime.policy.config import NEMO_RL_ADAMW\n"
+        "check_optimizer('torch.optim.AdamW', NEMO_RL_ADAMW)  # foreach, fused: false\n"
         "print('torch._dynamo' in sys.modules)\n"
         "try:\n"
         "    check_optimizer('torch.optim.AdamW', {'lr': 1e-3, 'eps': -1.0})\n"
@@ -188,3 +190,5 @@ def test_a_good_optimizer_is_checked_without_torchs_compiler():
 def test_a_flag_torch_checks_late_is_still_refused_before_ray():
     with pytest.raises(ValueError, match="`fused` and `foreach` cannot be `True` together"):
         check_optimizer("torch.optim.AdamW", {"lr": 1e-3, "fused": True, "foreach": True})
+    with pytest.raises(ValueError, match="`fused` and `foreach` cannot be `True` together"):
+        check_optimizer("torch.optim.AdamW", {"lr": 1e-3, "fused": 1, "foreach": "yes"})

@@ -3,6 +3,9 @@ counted on the meta device, it equals the count of a replica built for real."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -37,3 +40,27 @@ def test_a_hugging_face_model_with_and_without_adapters(tiny_llama, lora):
     assert count.lora == lora and (count.trainable < count.total) == lora
     if lora:
         assert "LoRA" in count.describe() and f"{count.total:,}" in count.describe()
+
+
+def test_the_count_of_the_built_in_transformer_leaves_torchs_compiler_unimported():
+    # the driver counts before every launch: initializers on the meta device would import
+    # torch._dynamo (about 1 s; a Hugging Face model's modules import it anyway); the
+    # initializers work again after the count
+    code = (
+        "import sys, torch\n"
+        "from sft_runtime.runtime.policy.config import ModelConfig, PolicyConfig\n"
+        "from sft_runtime.runtime.policy.param_count import count_parameters\n"
+        "tiny = PolicyConfig(model=ModelConfig(vocab_size=64, d_model=32, n_layers=2))\n"
+        "print(count_parameters(tiny).total)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "print(float(torch.nn.init.ones_(torch.zeros(2)).sum()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    total, dynamo, ones = done.stdout.split()
+    assert (
+        int(total)
+        == _real(PolicyConfig(model=ModelConfig(vocab_size=64, d_model=32, n_layers=2)))[1]
+    )
+    assert dynamo == "False"
+    assert ones == "2.0"
