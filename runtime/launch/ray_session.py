@@ -22,6 +22,8 @@ import shutil
 import time
 from pathlib import Path
 
+from sft_runtime.runtime.process.ray_node import session_dir
+
 SESSION_LATEST = "session_latest"
 _REMOVE_TRIES = 5  # a worker that is still exiting may write one more log line
 
@@ -33,17 +35,6 @@ def remove_session_at_exit() -> Path | None:
     if session is not None:
         atexit.register(_shutdown_and_remove, session)
     return session
-
-
-def session_dir() -> Path | None:
-    """The session folder of the node this process's Ray started, if it started one."""
-    from ray._private import worker
-
-    node = getattr(worker, "_global_node", None)
-    if node is None:
-        return None
-    path = node.get_session_dir_path()
-    return Path(path) if path else None
 
 
 def _shutdown_and_remove(session: Path) -> None:

@@ -32,6 +32,7 @@ from sft_runtime.runtime.policy.cluster_config import ClusterConfig
 from sft_runtime.runtime.process.heap import worker_heap_env
 from sft_runtime.runtime.process.liveness import driver_alive, driver_identity
 from sft_runtime.runtime.process.niceness import embedded_ray_env
+from sft_runtime.runtime.process.ray_node import record_started_env
 from sft_runtime.runtime.resume.config_change import ConfigRecord, resume_config, resume_notes
 from sft_runtime.runtime.resume.placement_change import run_shards, with_shards, workers_change
 from sft_runtime.states import SFTV2SaveState, initial_save_state
@@ -119,12 +120,14 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
     # would each need a process of their own (runtime/process/heap.py)
     os.environ.update(worker_heap_env())
     needed = cluster.world_size * cluster.cpus_per_worker
+    env = dict(os.environ)
     ray.init(
         address="local",
         num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
         include_dashboard=False,
         logging_level="WARNING",
     )
+    record_started_env(env)  # every worker of this node has it: nothing in it is handed
     remove_session_at_exit()  # ours alone: a joined cluster's folder is never touched
     return True
 

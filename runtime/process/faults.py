@@ -39,6 +39,7 @@ import os
 import signal
 import time
 
+from sft_runtime.runtime.process.ray_node import inherited_env
 from sft_runtime.states.machine import StepPhase
 
 ENV = "SFT_RUNTIME_FAULT"
@@ -123,10 +124,12 @@ def _hold_at(path: str, point: str, step: int | None, rank: int | None) -> None:
 def actor_fault_options(env: dict[str, str] | None = None) -> dict:
     """Ray options that hand this process's fault variables (and the step census's,
     `step_census`) to an actor it starts, beside ``env``: an existing cluster's actors do
-    not inherit the driver's environment. Empty when there is nothing to hand, so the
+    not inherit the driver's environment. What the workers of a Ray this process started
+    inherit anyway is left out (`ray_node`). Empty when there is nothing to hand, so the
     controller of a normal run is started as Ray starts any actor."""
     from sft_runtime.runtime.process.step_census import ENV as CENSUS_ENV
 
     handed = {k: v for k, v in os.environ.items() if k.startswith((ENV, CENSUS_ENV))}
-    env = {**(env or {}), **handed}
+    inherited = inherited_env()  # an embedded Ray's workers have these already
+    env = {k: v for k, v in {**(env or {}), **handed}.items() if inherited.get(k) != v}
     return {"runtime_env": {"env_vars": env}} if env else {}
