@@ -79,6 +79,10 @@ BUSY_FIRST = h.pick(False, True)
 # its own just before and just after it, since the machine drifts. Smoke: the first plain
 # run stands for all of those (each is a process of its own, and smoke figures mean nothing).
 FRESH_REFERENCES = h.pick(True, False)
+# Full: a run loading inline follows each runtime run. Smoke: the runtime run stands for it
+# (the same `h.runtime_run`; loading inline with an HF tokenizer trains in
+# tests/integration/policy/test_hf_training.py, and smoke figures mean nothing).
+INLINE_RUNS = h.pick(True, False)
 TURN_ROUNDS = h.pick(10, 1)  # even: each side goes first on the batches in half of them
 # A loader's work without the loader: the model's tokenizer renders and tokenizes a chat over
 # and over, in a process of its own, until it is killed.
@@ -170,7 +174,8 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
         pairs = zip(plain_losses[-1], ours["losses"], strict=True)
         diffs.append(max(abs(a - b) for a, b in pairs))
         # loading inline: the worker renders and tokenizes each batch before it trains on it
-        alone = h.runtime_run(raw_config(data, model, tmp / f"inline-{i}", workers=0, prefetch=1))
+        inline_raw = raw_config(data, model, tmp / f"inline-{i}", workers=0, prefetch=1)
+        alone = h.runtime_run(inline_raw) if INLINE_RUNS else ours
         inline.append(h.step_time(alone["times"]))
         before = reference()
         inline_ratios.append(inline[-1] / ((between + before) / 2))

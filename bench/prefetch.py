@@ -25,6 +25,10 @@ from bench.plain_loop import plain_run  # noqa: E402
 # The DP=2 rows (smoke: left out; they run the DP=1 rows' code, read-ahead without a loader
 # process runs in bench/overhead.py, and bench/load_memory.py trains on two workers end to end)
 DP2 = h.pick(True, False)
+# Full: a run with the default data plane (reading during the all-reduce) in each round.
+# Smoke: the run loading inline stands for it (the same `h.runtime_run`; the default data
+# plane is what bench/overhead.py and bench/scaling.py run, and smoke figures mean nothing).
+DEFAULT_RUNS = h.pick(True, False)
 
 
 def run() -> list[dict]:
@@ -118,7 +122,8 @@ def _loading_case(data: Path, tmp: Path, world: int, data_on: dict) -> dict[str,
         raw_off = h.raw_config(h.LOADING, data, tmp / f"b{world}-off-{i}", h.STEPS, world)
         raw_off["data_plane"]["load_during_allreduce"] = False
         a = h.runtime_run(raw_off)
-        c = h.runtime_run(h.raw_config(h.LOADING, data, tmp / f"b{world}-dur-{i}", h.STEPS, world))
+        raw_during = h.raw_config(h.LOADING, data, tmp / f"b{world}-dur-{i}", h.STEPS, world)
+        c = h.runtime_run(raw_during) if DEFAULT_RUNS else a
         t_ref, t_on, t_off, t_during = (
             h.step_time(plain["times"]),
             h.step_time(b["times"]),

@@ -4,7 +4,7 @@ Each chain crashes one run directory at several points in turn (each launch sets
 point, the next launch resumes and crashes at the next), then finishes without a fault and
 is compared with the uninterrupted reference: the loss and per-rank sample digests of every
 step, the final weights bit for bit, and `sft-runtime verify` (every re-executed step
-reproduced). The stepping chain runs a second time with read-ahead on
+reproduced). Three of the stepping chain's points run again with read-ahead on
 (``data_plane.max_partitions=2``) against the same reference, and the points where a sharded
 (FSDP2) run is most exposed run against the sharded reference. Every point is shown to have
 been hit by what the crashed attempt left in the log and on disk, and the attempt after it
@@ -78,12 +78,17 @@ SHARDED = (
     Kill("saving:after_weights", 6, resumed_from=3, last_step=6, disk="tmp_step_6"),
     Kill("saving:before_rename", 6, resumed_from=3, last_step=6, disk="tmp_step_6_complete"),
 )
-# chain, resume of the finish, config overrides; the stepping points again with read-ahead on
-# (a batch read ahead when the kill lands is never counted: the resume delivers it again),
-# all but the kill before any batch was read
+# With read-ahead on, a batch read ahead when the kill lands is never counted: the resume
+# delivers it again. Every kill of the chain resumes from the checkpoint at 3, which the first
+# launch saved with a batch read ahead, so three points show it: the controller before and
+# after the loader's commit of step 5, and a worker lost while its loader reads ahead. The
+# other stepping points differ only in what the controller had logged, which read-ahead does
+# not change, and the chain without it kills there.
+PREFETCH_POINTS = ("stepping:after_loading", "stepping:after_commit", "worker:train")
+# chain, resume of the finish, config overrides
 CHAINS = {
     "stepping": (STEPPING, 3, ()),
-    "stepping_prefetch": (STEPPING[1:], 3, PREFETCH),
+    "stepping_prefetch": (tuple(k for k in STEPPING if k.point in PREFETCH_POINTS), 3, PREFETCH),
     "saving": (SAVING, 7, ()),
     "fsdp": (SHARDED, 3, FSDP),
 }

@@ -5,8 +5,8 @@ With ``policy.dtensor_cfg.enabled=true`` each of the 2 workers builds the model 
 shards it and reads only its rows of each tensor (`runtime.policy.hf_shards`). That the rows
 are today's whole load, slice for slice, is tests/unit/policy/test_hf_shards.py's; here the
 runs themselves: 5 sharded steps agree with the unsharded run of the same folder (both load
-the bf16 weights as float32) within 1e-5 relative on the same samples, and a sharded run
-killed mid-run and resumed is the uninterrupted sharded run bit for bit.
+the bf16 weights as float32) within 1e-5 relative on the same samples, and the tied model's
+sharded run killed mid-run and resumed is its uninterrupted sharded run bit for bit.
 """
 
 from __future__ import annotations
@@ -127,6 +127,9 @@ def test_a_sharded_start_trains_as_the_unsharded_load_does(
     assert sorted(sharded.weights) == sorted(whole)
 
 
+# The tied folder alone: its resume restores what the Llama's does (sharded weights, moments
+# and loaders of an HF model) and a head that is the embedding besides.
+@pytest.mark.parametrize("folder", ["qwen2-tied"], indirect=True)
 def test_a_sharded_run_killed_mid_run_resumes_to_the_uninterrupted_run_bit_for_bit(
     folder, sharded, make_runner
 ):
