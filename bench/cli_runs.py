@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench import zygote
 from bench.harness import committed, ray_root, shared_ray_address
 
 CLI = Path(sys.executable).parent / "sft-runtime"
@@ -52,7 +53,7 @@ def cli_run(config_path: Path, run_dir: Path) -> dict:
 
     before = len(committed(run_dir)) if (run_dir / "events.jsonl").exists() else 0
     start = time.time()
-    proc = subprocess.Popen(
+    proc = zygote.Popen(
         [str(CLI), "train", str(config_path), "--run-dir", str(run_dir)],
         env=cli_env(),
         stdout=subprocess.DEVNULL,

@@ -24,6 +24,7 @@ if not __package__:  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as h  # noqa: E402
+from bench import zygote  # noqa: E402
 
 GLOBAL_BATCH = 16
 STEPS = h.pick(60, 6)
@@ -68,7 +69,7 @@ def child(data: str, shards: int, num_workers: int) -> dict:
 
 
 def _side(data: Path, shards: int, num_workers: int) -> dict:
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, __file__, "--child", str(data), str(shards), str(num_workers)],
         stdout=subprocess.PIPE,
         text=True,

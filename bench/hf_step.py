@@ -52,6 +52,7 @@ if not __package__:  # run as a script: make `bench` importable
 
 from bench import harness as h  # noqa: E402
 from bench import interleave as il  # noqa: E402
+from bench import zygote  # noqa: E402
 from bench.plain_loop import plain_run, pretokenize  # noqa: E402
 
 TARGET = 1.05
@@ -297,7 +298,7 @@ def _hf_step(data: Path, tmp: Path) -> list[dict]:
 @contextmanager
 def other_core_busy(model: Path) -> Iterator[None]:
     """`BUSY_LOOP` running beside the block, with the model folder's tokenizer."""
-    proc = subprocess.Popen(
+    proc = zygote.Popen(
         [sys.executable, "-c", BUSY_LOOP, str(model)], stdout=subprocess.PIPE, text=True
     )
     try:

@@ -29,6 +29,7 @@ if not __package__:  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as h  # noqa: E402
+from bench import zygote  # noqa: E402
 from bench.table import Row  # noqa: E402
 
 SHAPE = h.pick(  # ~294M parameters, untied head: as bench/load_memory.py
@@ -134,7 +135,7 @@ def train_child(folder: str, mode: str, out: str) -> dict[str, Any]:
 def _child(folder: Path, modes: list[str], scratch: Path) -> list[dict[str, Any]]:
     """Each mode trained in turn by one child process; their results."""
     argv = [arg for mode in modes for arg in (str(folder), mode, str(scratch / mode))]
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, __file__, "--child", *argv],
         stdout=subprocess.PIPE,
         text=True,

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if not __package__:
     sys.path.insert(0, str(ROOT))
 
+from bench import zygote  # noqa: E402
 from bench.harness import SMOKE, pick  # noqa: E402
 from bench.table import Row, render  # noqa: E402
 
@@ -89,7 +90,7 @@ def _rss_bytes() -> int:
 def _in_child(jobs: list[tuple[str, int]], folder: str) -> list[dict | None]:
     """Each (path, T) measured in turn by one fresh process; None for each where it did not
     end well (out of memory, most likely: the row says so)."""
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, __file__, "--one", folder, *(a for p, t in jobs for a in (p, str(t)))],
         stdout=subprocess.PIPE,
         text=True,

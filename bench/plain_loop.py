@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if not __package__:  # run as a script: make `bench` importable
     sys.path.insert(0, str(ROOT))
 
+from bench import zygote  # noqa: E402
 from bench.harness import SEED, loader_specs, master_config, placement_hash  # noqa: E402
 from bench.timeline import PHASES  # noqa: E402
 
@@ -174,7 +175,7 @@ class PlainLoop:
 
 
 def _start(job: dict, **popen: Any) -> subprocess.Popen:
-    return subprocess.Popen(
+    return zygote.Popen(
         [sys.executable, __file__, json.dumps(job)],
         stdout=subprocess.PIPE,
         cwd=ROOT,

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # run as a script (the baseline ranks too): make `bench`, `tests` importable
     sys.path.insert(0, str(ROOT))
 
+from bench import zygote  # noqa: E402
 from bench.harness import pick  # noqa: E402
 from tests.support import worker_probes  # noqa: E402
 
@@ -162,7 +163,7 @@ class _Baseline:
         port = self._store.port
         cmd = [sys.executable, __file__, "--baseline-rank"]
         self.procs = [
-            subprocess.Popen(
+            zygote.Popen(
                 [*cmd, str(r), "--port", str(port)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

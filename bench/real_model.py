@@ -45,6 +45,7 @@ if not __package__:  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as h  # noqa: E402
+from bench import zygote  # noqa: E402
 from bench.real_model_sides import TURNS_ENV, Setup, run_side  # noqa: E402
 from bench.table import Row  # noqa: E402
 from sft_runtime.runtime.process.heap import worker_heap_env  # noqa: E402
@@ -120,7 +121,7 @@ class _Child:
         heap = worker_heap_env() if {side for side, *_ in jobs} == {"runtime"} else {}
         # a file, not a pipe: a child must never block on its output while it waits its turn
         self._out = tempfile.TemporaryFile("w+", encoding="utf-8")
-        self._proc = subprocess.Popen(
+        self._proc = zygote.Popen(
             [sys.executable, __file__, "--child", *argv],
             stdout=self._out,
             env={**os.environ, **heap, TURNS_ENV: f"{go_read},{ready_write}"},

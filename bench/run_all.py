@@ -12,19 +12,18 @@ alone, and it saves the machine's time where only figures would suffer: it start
 here that the benchmarks and the `sft-runtime train` runs they launch join
 (`bench.harness.shared_ray`; a Ray start is seconds of CPU, and there would be a dozen),
 runs two benchmarks at a time, gives every process one torch thread
-(`bench.harness.SMOKE_THREADS_ENV`), and forks each benchmark's process from one that has
-imported torch, transformers, Ray and the runtime already (`PRELOAD`; about 3 core-s of
-imports a benchmark here). Either way the exit status is 1 when a benchmark failed or gave
+(`bench.harness.SMOKE_THREADS_ENV`), and forks each Python process it and the benchmarks
+start (the benchmark, its plain loops, its children, its `sft-runtime` launches) from one
+that has imported torch, transformers, Ray and the runtime already (`bench/zygote.py`; about
+3 core-s of imports a process here). Either way the exit status is 1 when a benchmark failed or gave
 no rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import importlib
 import json
-import multiprocessing
 import os
 import platform
 import subprocess
@@ -40,7 +39,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # energon's buffer-filling progress 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import harness  # noqa: E402
+from bench import harness, zygote  # noqa: E402
 from bench.table import render  # noqa: E402
 
 BENCHMARKS = [
@@ -77,16 +76,6 @@ SMOKE_SECONDS = {
     "scaling": 19,
 }
 MARK = "bench-rows: "
-# What every benchmark's process imports, once, in the smoke run's fork server: a forked
-# process starts with it in memory. Forking is safe there: importing these starts no thread.
-PRELOAD = [
-    "torch",
-    "transformers",
-    "ray",
-    "megatron.energon",
-    "sft_runtime.runtime.launch.driver",
-    "bench.harness",
-]
 # Smoke figures mean nothing, so two benchmarks may share the machine: a good part of each
 # is one process starting up (imports, a Ray actor) while the other core has nothing to do.
 SMOKE_LANES = 2
@@ -97,8 +86,12 @@ def main(smoke: bool = False) -> int:
     if smoke:
         os.environ[harness.SMOKE_ENV] = "1"  # read by bench.harness in each child
         os.environ.update(harness.SMOKE_THREADS_ENV)  # one torch thread a process
-        with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp, harness.shared_ray(Path(tmp)):
-            _, failed = run_each(SMOKE_LANES, forked=True)
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp,
+            harness.shared_ray(Path(tmp)),
+            zygote.serving(Path(tmp)),
+        ):
+            _, failed = run_each(SMOKE_LANES)
     else:
         sections, failed = run_each()
         header = (
@@ -133,24 +126,20 @@ def _commit() -> str:
     return f"{head} (with changes not committed)" if dirty else head
 
 
-def run_each(lanes: int = 1, forked: bool = False) -> tuple[list[str], list[str]]:
+def run_each(lanes: int = 1) -> tuple[list[str], list[str]]:
     """Every benchmark in a process of its own, ``lanes`` of them at a time, each table
     printed in the order of BENCHMARKS; (the RESULTS.md sections, the names of those that
-    failed). ``forked``: each process is forked from a fork server (`_forked`), else it is a
-    fresh interpreter."""
+    failed)."""
     names = [name for name in BENCHMARKS if (ROOT / "bench" / f"{name}.py").exists()]
     sections, failed = [], []
-    child = _forked if forked else _child
-    with ThreadPoolExecutor(lanes) as pool, tempfile.TemporaryDirectory() as outputs:
-        if forked:
-            _start_fork_server()
+    with ThreadPoolExecutor(lanes) as pool:
         ahead: dict[str, Any] = {}
         if lanes > 1:
             for name in sorted(names, key=lambda n: -SMOKE_SECONDS.get(n, 0)):
-                ahead[name] = pool.submit(child, name, Path(outputs))
+                ahead[name] = pool.submit(_child, name)
         for name in names:
             print(f"== bench/{name}.py", flush=True)
-            done, took = ahead[name].result() if ahead else child(name, Path(outputs))
+            done, took = ahead[name].result() if ahead else _child(name)
             marked = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
             rows = json.loads(marked[-1][len(MARK) :]) if marked else []
             if done.returncode or not rows:  # one broken benchmark must not hide the others
@@ -165,53 +154,11 @@ def run_each(lanes: int = 1, forked: bool = False) -> tuple[list[str], list[str]
     return sections, failed
 
 
-def _child(name: str, outputs: Path) -> tuple[subprocess.CompletedProcess, float]:
-    """One benchmark in a fresh process (`one`), and its wall seconds."""
+def _child(name: str) -> tuple[subprocess.CompletedProcess, float]:
+    """One benchmark in a process of its own (`one`), and its wall seconds."""
     start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, __file__, "--one", name], stdout=subprocess.PIPE, text=True
-    )
+    done = zygote.run([sys.executable, __file__, "--one", name], stdout=subprocess.PIPE, text=True)
     return done, time.monotonic() - start
-
-
-def _start_fork_server() -> None:
-    """The fork server `_forked` forks from, with `PRELOAD` imported. It finds this folder's
-    parent through PYTHONPATH, as its children find ``bench``."""
-    path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + path if path else "")
-    multiprocessing.set_forkserver_preload(PRELOAD)
-
-
-def _forked(name: str, outputs: Path) -> tuple[subprocess.CompletedProcess, float]:
-    """One benchmark in a process forked from the fork server (`one`, its stdout kept in a
-    file under ``outputs``), and its wall seconds."""
-    start = time.monotonic()
-    out = outputs / f"{name}.out"
-    # by its module name: a function of __main__ cannot be found in the server
-    target = importlib.import_module("bench.run_all")._one_forked
-    proc = multiprocessing.get_context("forkserver").Process(
-        target=target, args=(name, str(out)), name=f"bench-{name}"
-    )
-    proc.start()
-    proc.join()
-    text = out.read_text() if out.exists() else ""
-    done = subprocess.CompletedProcess([name], proc.exitcode, stdout=text)
-    return done, time.monotonic() - start
-
-
-def _one_forked(name: str, out: str) -> None:
-    """`one` in a forked process, its stdout (and its children's) into ``out``; what it
-    registered to run at exit runs too, which a forked process's exit would skip."""
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    os.dup2(fd, 1)
-    os.close(fd)
-    try:
-        code = one(name)
-    finally:
-        sys.stdout.flush()
-        atexit._run_exitfuncs()
-    sys.exit(code)
 
 
 def one(name: str) -> int:

@@ -56,6 +56,7 @@ if not __package__:  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness as h  # noqa: E402
+from bench import zygote  # noqa: E402
 from bench.cli_runs import actor_role  # noqa: E402
 from bench.real_model_sides import Setup, runtime_config  # noqa: E402
 from bench.table import Row  # noqa: E402
@@ -226,7 +227,7 @@ def launched(argv: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
     and the result line it printed (after ``MARK``), if any."""
     with open(log, "w") as out:
         start = time.time()
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = zygote.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         with TreeSampler(proc.pid) as sampler:
             code = proc.wait()
             end = time.time()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,10 @@ import yaml
 if not __package__:  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import cli_runs  # noqa: E402
+from bench import (
+    cli_runs,  # noqa: E402
+    zygote,  # noqa: E402
+)
 from bench import harness as h  # noqa: E402
 
 BOUND_S = 2.0
@@ -59,7 +61,7 @@ def _config(data: Path, run_dir: Path, endpoint: str | None) -> Path:
 
 def _train(config: Path, run_dir: Path) -> float:
     t0 = time.monotonic()
-    done = subprocess.run(
+    done = zygote.run(
         [str(cli_runs.CLI), "train", str(config), "--run-dir", str(run_dir)],
         env=cli_runs.cli_env("OTEL_"),
         capture_output=True,

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import zygote  # noqa: E402
 from bench.harness import pick  # noqa: E402
 from bench.table import Row, render  # noqa: E402
 
@@ -112,7 +113,7 @@ def _spawn_all(steps: int, spans: int) -> tuple[dict, dict, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["PYTHONPATH"] = str(ROOT)
     procs = [
-        subprocess.Popen(
+        zygote.Popen(
             [
                 sys.executable,
                 __file__,

@@ -33,6 +33,7 @@ NOT_BENCHMARKS = {
     "real_model_sides",  # the three trainers bench/real_model.py runs side by side
     "interleave",  # the in-turns runner of hf_step
     "run_all",  # this runner
+    "zygote",  # smoke mode's Python processes, forked from one that imported the stack
     "same_run",  # two revisions' runs compared bit for bit, nothing measured
     "gpu_hf",  # needs a GPU for its figures; its CPU smoke mode is run below
     "scale_plan",  # a calculator of the 70B plan (docs/scale.md), nothing measured
