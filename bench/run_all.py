@@ -65,15 +65,17 @@ BENCHMARKS = [
 # smoke seconds of the longest benchmarks (run_all --smoke, 2 lanes, 2 cores): started first
 # so that two lanes end together rather than one running the last long one alone
 SMOKE_SECONDS = {
-    "hf_step": 63,
-    "run_tree": 50,
-    "load_memory": 50,
-    "resume": 39,
-    "shutdown": 32,
-    "prefetch": 30,
-    "overhead": 28,
-    "step_files": 20,
-    "scaling": 19,
+    "hf_step": 35,
+    "run_tree": 26,
+    "load_memory": 23,
+    "resume": 16,
+    "overhead": 13,
+    "shutdown": 13,
+    "real_model": 12,
+    "prefetch": 11,
+    "hf_start_readers": 10,
+    "step_files": 7,
+    "scaling": 7,
 }
 MARK = "bench-rows: "
 # Smoke figures mean nothing, so two benchmarks may share the machine: a good part of each
