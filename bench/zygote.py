@@ -81,8 +81,10 @@ class Popen(subprocess.Popen):
     pipes, communicate, signals and the exit status work as they do for a fresh process."""
 
     def __init__(self, args: Sequence[str], **kwargs: Any) -> None:
-        argv = [os.fspath(a) for a in args]
-        self._may_fork = _may_fork(argv)
+        # a command line for a shell, or another executable than argv's first: subprocess's
+        plain = isinstance(args, str | bytes) or kwargs.get("shell") or kwargs.get("executable")
+        argv = args if plain else [os.fspath(a) for a in args]
+        self._may_fork = not plain and _may_fork(argv)
         self._session = bool(kwargs.get("start_new_session"))
         self._status: socket.socket | None = None  # where the server sends the exit status
         super().__init__(argv, **kwargs)
@@ -133,10 +135,11 @@ def _ask(
 ) -> socket.socket | None:
     """The server's connection once it forked the process (the pid comes next, then the
     exit status), or None where it must start fresh (`AT_EXEC`)."""
+    env = os.environ if env is None else env
     request = {
         "argv": argv,
         "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
-        "env": {os.fsdecode(k): os.fsdecode(v) for k, v in (env or os.environ).items()},
+        "env": {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()},
         "session": session,
         "pass_fds": pass_fds,
     }
