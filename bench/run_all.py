@@ -14,9 +14,9 @@ here that the benchmarks and the `sft-runtime train` runs they launch join
 runs two benchmarks at a time, gives every process one torch thread
 (`bench.harness.SMOKE_THREADS_ENV`), and forks each Python process it and the benchmarks
 start (the benchmark, its plain loops, its children, its `sft-runtime` launches) from one
-that has imported torch, transformers, Ray and the runtime already (`bench/zygote.py`; about
-3 core-s of imports a process here). Either way the exit status is 1 when a benchmark failed or gave
-no rows.
+that has imported torch, transformers, Ray and the runtime already (`bench/zygote.py`;
+about 3 core-s of imports a process here). Either way the exit status is 1 when a
+benchmark failed or gave no rows.
 """
 
 from __future__ import annotations

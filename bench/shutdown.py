@@ -21,10 +21,7 @@ import yaml
 if not __package__:  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import (
-    cli_runs,  # noqa: E402
-    zygote,  # noqa: E402
-)
+from bench import cli_runs, zygote  # noqa: E402
 from bench import harness as h  # noqa: E402
 
 BOUND_S = 2.0
