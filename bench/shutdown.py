@@ -3,8 +3,8 @@
 The same short `sft-runtime train` three ways, side by side: telemetry off (the reference),
 OTLP to a port where nothing listens (connections refused), and OTLP to a port that accepts
 connections and never answers (a hung receiver, the worst case). The workers, the
-controller and the driver share one shutdown deadline, so the extra wall time of a run
-should stay near ``shutdown_timeout_s`` (2 s) once, not once per process. Target: extra
+controller and the driver flush on one budget of the shutdown bound, so the extra wall time
+of a run should stay near ``shutdown_timeout_s`` (2 s) once, not once per process. Target: extra
 <= the bound + 1.5 s of margin (the exporters' own connection handling, a loaded machine).
 """
 

@@ -62,10 +62,9 @@ class Telemetry:
     def force_flush(self, timeout_s: float | None = None, *, deadline: float | None = None) -> bool:
         """Push buffered spans and metrics out; True when done within the bound.
 
-        ``deadline`` (unix seconds) is the run's one shutdown deadline: the workers, the
-        controller and the driver flush one after another, and each waits only for what is
-        left of it, so a dead collector costs the run ``shutdown_timeout_s`` once, not once
-        per process.
+        ``deadline`` (unix seconds) binds processes that flush at once: the workers flush
+        against the one deadline the controller set, and `flush_within` hands on what they
+        left of it.
         """
         if not self.enabled or self.closed:
             return True
@@ -82,6 +81,17 @@ class Telemetry:
         done = _bounded("flush telemetry", flush, bound)
         self.gave_up = self.gave_up or not done
         return done
+
+    def flush_within(self, budget_s: float | None) -> float:
+        """Flush within ``budget_s`` (None: the whole ``shutdown_timeout_s``); returns what
+        is left of it, for the next process of the run's shutdown to spend. The processes
+        flush one after another (the workers, the controller, the driver) on one budget,
+        so a dead collector costs the run the bound once, while their other closing work
+        (slow on a busy machine) spends none of it."""
+        bound = self._bound() if budget_s is None else budget_s
+        started = time.monotonic()
+        self.force_flush(bound)
+        return max(0.0, bound - (time.monotonic() - started))
 
     def shutdown(self) -> bool:
         """Flush and shut down the providers within ``shutdown_timeout_s``; idempotent.

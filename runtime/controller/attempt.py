@@ -8,10 +8,11 @@ whatever of it is open aborted) and recorded as ``step_aborted``; the attempt en
 resume goes on from the last checkpoint as if the step never began.
 
 An attempt ends (`end_attempt`) in order: the loaders closed after their last commit, the
-workers' and this process's spans flushed against one shutdown deadline, the machine closed
-and ``run_stopped`` recorded. Every cleanup step only warns when it fails (`quietly`), so the
-error that ended the run is the one reported. Each takes what it acts on as arguments: the
-controller's loop owns the state, these own the order.
+workers' spans flushed within the shutdown bound (this process and the driver spend what
+they left of it), the machine closed and ``run_stopped`` recorded. Every cleanup step only
+warns when it fails (`quietly`), so the error that ended the run is the one reported. Each
+takes what it acts on as arguments: the controller's loop owns the state, these own the
+order.
 """
 
 from __future__ import annotations
@@ -138,15 +139,18 @@ def end_attempt(
     attempt: int | None,
 ) -> float:
     """Teardown in order: loaders, the workers' spans, logger, machine; then run_stopped.
-    Returns the shutdown deadline (a ``time.time()``) the workers flushed against, which
-    this process and the driver keep too: a dead collector costs the run
-    ``flush_bound_s`` once."""
+
+    Returns the seconds of ``flush_bound_s`` the workers' flush left, which this process and
+    then the driver spend on their own flushes: a dead collector costs the run the bound
+    once, while the rest of the close (slow on a busy machine) spends none of it, so no
+    process loses its spans to a close that outlasted the bound."""
     quietly("close the loaders", close_loaders)
     flush_by = time.time() + flush_bound_s
     quietly(
         "export the workers' spans",
         lambda: group.flush_telemetry(deadline=flush_by, carrier=inject_carrier()),
     )
+    flush_left_s = max(0.0, flush_by - time.time())
     if metrics is not None:
         quietly("close the metrics logger", lambda: metrics.close(reason))
     if model is not None and log is not None:
@@ -162,7 +166,7 @@ def end_attempt(
             quietly("record run_stopped", lambda: model.finish(reason=reason, error=msg))
     if log is not None:
         log.close()
-    return flush_by
+    return flush_left_s
 
 
 def end_reason(model: ControllerModel, *, stopping: bool) -> str:

@@ -113,7 +113,7 @@ class SFTController:
         self.validator = Validator(master_config, self.group)
         self._origin = TraceOrigin()  # what every step trace of the attempt shares
         self._trace: StepTrace | None = None  # the trace of the step in flight
-        self._flush_by: float | None = None  # the run's shutdown deadline for telemetry
+        self._flush_left_s: float | None = None  # the shutdown bound the workers' flush left
         self._step_attributes: dict[str, Any] | None = None
         self.model: ControllerModel | None = None
         self.metrics: MetricsLogger | None = None
@@ -138,14 +138,16 @@ class SFTController:
         )
         try:
             with attached(_otel_carrier):
-                return self.run()
+                summary = self.run()
         except Exception as exc:
             full = self._as_disk_full(exc)
             if full is None:
                 raise
             raise full from exc
         finally:
-            telemetry.force_flush(deadline=self._flush_by)
+            flush_left_s = telemetry.flush_within(self._flush_left_s)
+        summary["telemetry_flush_s"] = flush_left_s  # the driver's share of the bound
+        return summary
 
     def _as_disk_full(self, exc: Exception) -> DiskFullError | None:
         """``exc`` as a `DiskFullError` (one line; the step a resume starts from) when a
@@ -458,7 +460,7 @@ class SFTController:
     def _close(self, reason: str, error: BaseException | None) -> None:
         self.pipeline.discard_save_ahead()  # a step recorded, then the run failed before its save
         telemetry = self.config.telemetry
-        self._flush_by = end_attempt(
+        self._flush_left_s = end_attempt(
             reason,
             error,
             close_loaders=self._close_loaders,
@@ -483,7 +485,6 @@ class SFTController:
             sample_counts=self.tally.sample_counts,
             nonfinite_skipped=self.tally.nonfinite_skipped,
         )
-        summary["telemetry_flush_by"] = self._flush_by
         return summary
 
     def _fault_after(self, phase: StepPhase, step: int) -> None:

@@ -126,9 +126,10 @@ def run_training(
 
 
 def _export_traces(telemetry: Any, config: MasterConfig, run_dir: Path, summary) -> None:
-    """Flush this process's spans (by the run's shutdown deadline, which the controller and
-    the workers used up to now) and merge every process's into the run's Jaeger files."""
-    telemetry.force_flush(deadline=(summary or {}).get("telemetry_flush_by"))
+    """Flush this process's spans (within what the workers and the controller left of the
+    shutdown bound, or the whole bound when no summary came back) and merge every process's
+    into the run's Jaeger files."""
+    telemetry.flush_within((summary or {}).get("telemetry_flush_s"))
     tel = config.telemetry
     if tel is not None and tel.enabled and "jaeger_file" in tel.exporters:
         from sft_runtime.traces.merge import merge_trace_files

@@ -217,7 +217,7 @@ class RunSummary(TypedDict):
     overlong_samples: int  # this attempt's (`SAMPLE_COUNT_KEYS`)
     skipped_samples: int
     nonfinite_skipped: int  # steps committed without their update
-    telemetry_flush_by: NotRequired[float | None]  # the deadline the workers flushed spans against
+    telemetry_flush_s: NotRequired[float]  # what the controller's flush left of the bound
 
 
 def run_summary(

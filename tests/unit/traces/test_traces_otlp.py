@@ -181,3 +181,31 @@ def test_one_deadline_serves_every_flush_of_a_shutdown():
     with pytest.warns(RuntimeWarning, match="within 0.1 s"):
         assert tel.shutdown() is False  # not another hour on the same dead collector
     never.set()
+
+
+def test_a_flush_hands_on_what_it_left_of_the_shutdown_budget():
+    """The controller and then the driver flush on what the processes before them left: a
+    flush that answered at once leaves nearly all of it, one that gave up leaves nothing."""
+    from sft_runtime.runtime.config import TelemetryConfig
+    from sft_runtime.traces.setup import Telemetry
+
+    never = threading.Event()
+
+    class Quick:
+        def force_flush(self, *args, **kwargs):
+            return True
+
+    class Stuck:
+        def force_flush(self, *args, **kwargs):
+            never.wait()
+
+    config = TelemetryConfig(enabled=True, exporters=["memory"], shutdown_timeout_s=3600.0)
+    quick = Telemetry(enabled=True, config=config, tracer_provider=Quick())
+    assert 3000.0 < quick.flush_within(None) <= 3600.0  # None: the whole shutdown_timeout_s
+    assert 0.0 < quick.flush_within(1800.0) <= 1800.0
+    stuck = Telemetry(enabled=True, config=config, tracer_provider=Stuck())
+    with pytest.warns(RuntimeWarning, match="within 0.2 s"):
+        assert stuck.flush_within(0.2) == 0.0
+    assert stuck.gave_up
+    never.set()
+    assert 0.0 < Telemetry().flush_within(1.5) <= 1.5  # telemetry off: nothing to spend
