@@ -7,6 +7,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 ExporterName = Literal["otlp", "jaeger_file", "console", "memory", "none"]
+# The bound on a run's whole telemetry shutdown; also what a process flushes within when
+# the run has no ``telemetry`` section (its handle may still be on, from an earlier run in
+# the same program).
+SHUTDOWN_TIMEOUT_S = 2.0
 
 
 class TelemetryConfig(BaseModel):
@@ -28,5 +32,5 @@ class TelemetryConfig(BaseModel):
     otlp_traces_endpoint: str | None = None
     otlp_metrics_endpoint: str | None = None
     export_timeout_s: float = Field(2.0, gt=0)
-    shutdown_timeout_s: float = Field(2.0, gt=0)
+    shutdown_timeout_s: float = Field(SHUTDOWN_TIMEOUT_S, gt=0)
     jaeger_file_max_spans: int = Field(100_000, ge=1)

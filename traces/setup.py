@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sft_runtime.traces.config import TelemetryConfig
+from sft_runtime.traces.config import SHUTDOWN_TIMEOUT_S, TelemetryConfig
 
 _LOCK = threading.Lock()
 _ACTIVE: Telemetry | None = None
@@ -126,7 +126,7 @@ class Telemetry:
                         folder.rmdir()
 
     def _bound(self) -> float:
-        return self.config.shutdown_timeout_s if self.config is not None else 2.0
+        return self.config.shutdown_timeout_s if self.config is not None else SHUTDOWN_TIMEOUT_S
 
 
 def _bounded(what: str, fn: Callable[[], None], timeout_s: float) -> bool:

@@ -57,6 +57,7 @@ from sft_runtime.runtime.resume.input_identity import config_identities
 from sft_runtime.runtime.workers.calls import Pending
 from sft_runtime.runtime.workers.results import StepStarted, StepTrained
 from sft_runtime.states import ControllerModel, ControllerState, StepInFlight, StepPhase, fold
+from sft_runtime.traces.config import SHUTDOWN_TIMEOUT_S
 from sft_runtime.traces.context import attached, inject_carrier
 from sft_runtime.traces.setup import setup_telemetry
 from sft_runtime.traces.spans import (
@@ -460,12 +461,13 @@ class SFTController:
     def _close(self, reason: str, error: BaseException | None) -> None:
         self.pipeline.discard_save_ahead()  # a step recorded, then the run failed before its save
         telemetry = self.config.telemetry
+        bound_s = telemetry.shutdown_timeout_s if telemetry is not None else SHUTDOWN_TIMEOUT_S
         self._flush_left_s = end_attempt(
             reason,
             error,
             close_loaders=self._close_loaders,
             group=self.group,
-            flush_bound_s=telemetry.shutdown_timeout_s if telemetry is not None else 0.0,
+            flush_bound_s=bound_s,
             metrics=self.metrics,
             model=self.model,
             log=self.log,
