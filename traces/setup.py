@@ -7,9 +7,14 @@ no-ops. The SDK is imported inside the functions below, not at module level, so 
 this module (or calling it with telemetry off) loads nothing of the SDK.
 
 The global providers can be set once per process, so setup is idempotent: a second call
-returns the first handle. Shutdown and flush are bounded by ``shutdown_timeout_s`` even when
-an OTLP collector is down: the SDK's own flush ignores its timeout argument, so the work
-runs in a daemon thread that is abandoned when the bound passes.
+for the same run returns the first handle. A call for another run (an embedding program's
+next `run_training`, in another run directory or attempt) closes the first run's exporters
+and points the process's one tracer provider at the new run's resource and exporters, so
+each run's trace holds its own driver's spans and no other's.
+
+Shutdown and flush are bounded by ``shutdown_timeout_s`` even when an OTLP collector is
+down: the SDK's own flush ignores its timeout argument, so the work runs in a daemon thread
+that is abandoned when the bound passes.
 """
 
 from __future__ import annotations
@@ -114,6 +119,21 @@ class Telemetry:
 
         return _bounded("shut down telemetry", stop, bound)
 
+    @property
+    def run(self) -> tuple[Path | None, int | None]:
+        """The run directory and attempt whose spans this handle exports."""
+        return self.run_dir, self.attempt
+
+    def _close_spans(self) -> None:
+        """Shut down this run's span exporters (sending what they hold) within the bound, and
+        leave the meter provider, which is set once per process, to the next run."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.enabled:
+            bound = GAVE_UP_SHUTDOWN_S if self.gave_up else self._bound()
+            _bounded("shut down telemetry", self.tracer_provider.shutdown, bound)
+
     def discard_files(self) -> None:
         """Shut down and remove the trace files this process wrote: a launch that was refused
         before its attempt began leaves no traces of an attempt the log never had."""
@@ -176,14 +196,38 @@ def setup_telemetry(
     """
     global _ACTIVE
     with _LOCK:
-        if _ACTIVE is not None:
-            return _ACTIVE
         rundir = Path(run_dir) if run_dir is not None else None
+        active = _ACTIVE
+        same_run = active is not None and (rundir is None or (rundir, attempt) == active.run)
+        if active is not None and same_run and not active.closed:
+            return active
         if config is None or not config.enabled or not _real_exporters(config):
-            return Telemetry(role=role, rank=rank, attempt=attempt, run_dir=rundir, config=config)
-        _ACTIVE = _install(config, role=role, rank=rank, attempt=attempt, run_dir=rundir, node=node)
-        atexit.register(_ACTIVE.shutdown)
+            off = Telemetry(role=role, rank=rank, attempt=attempt, run_dir=rundir, config=config)
+            if active is not None:  # the last run's provider stays installed, exporting nothing
+                active._close_spans()
+                active.tracer_provider.processors = ()
+                off.tracer_provider, off.meter_provider = active.tracer_provider, None
+                _ACTIVE = off
+            return off
+        if active is None:
+            atexit.register(_shutdown_active)
+        else:
+            active._close_spans()
+        _ACTIVE = _install(
+            config,
+            role=role,
+            rank=rank,
+            attempt=attempt,
+            run_dir=rundir,
+            node=node,
+            installed=active,
+        )
         return _ACTIVE
+
+
+def _shutdown_active() -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.shutdown()
 
 
 def _real_exporters(config: TelemetryConfig) -> list[str]:
@@ -249,7 +293,10 @@ def _install(
     attempt: int | None,
     run_dir: Path | None,
     node: str | None = None,
+    installed: Telemetry | None = None,
 ) -> Telemetry:
+    """The SDK's exporters for this run; the providers are set globally once per process, so
+    after an ``installed`` run the tracer provider is reused and its meter provider kept."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -260,7 +307,12 @@ def _install(
     attrs = resource_attributes(config, role, rank, attempt, node)
     resource = Resource.create(attrs)
     ids = RunIdGenerator()
-    tracer_provider = LightTracerProvider(resource, ids)  # spans cheap where they are made
+    if installed is None:
+        tracer_provider = LightTracerProvider(resource, ids)  # spans cheap where they are made
+    else:
+        tracer_provider = installed.tracer_provider
+        tracer_provider.resource, tracer_provider.id_generator = resource, ids
+        tracer_provider.processors = ()
     handle = Telemetry(
         enabled=True,
         role=role,
@@ -302,6 +354,9 @@ def _install(
                 export_timeout_millis=timeout_ms,
             )
         )
+    if installed is not None:
+        handle.meter_provider = installed.meter_provider
+        return handle
     trace.set_tracer_provider(tracer_provider)
     if readers:
         from opentelemetry.sdk.metrics import MeterProvider
