@@ -191,8 +191,9 @@ def setup_telemetry(
     """Install the SDK with the configured exporters for this process and return its handle.
 
     With ``config`` None or disabled nothing is installed or imported and a no-op handle
-    comes back (and a later call may still install). Once installed, every later call
-    returns the same handle, whatever its arguments.
+    comes back (and a later call may still install). Once installed, a later call returns
+    the same handle unless it names another run (``run_dir`` and ``attempt``), or the handle
+    was shut down: then the new run takes over the process's tracer provider.
     """
     global _ACTIVE
     with _LOCK:
