@@ -202,18 +202,18 @@ def setup_telemetry(
         same_run = active is not None and (rundir is None or (rundir, attempt) == active.run)
         if active is not None and same_run and not active.closed:
             return active
+        if active is not None:  # another run: its provider stays installed, exporting nothing
+            active._close_spans()
+            active.tracer_provider.processors = ()
         if config is None or not config.enabled or not _real_exporters(config):
             off = Telemetry(role=role, rank=rank, attempt=attempt, run_dir=rundir, config=config)
-            if active is not None:  # the last run's provider stays installed, exporting nothing
-                active._close_spans()
-                active.tracer_provider.processors = ()
-                off.tracer_provider, off.meter_provider = active.tracer_provider, None
+            if active is not None:
+                off.tracer_provider = active.tracer_provider
+                off.meter_provider = active.meter_provider
                 _ACTIVE = off
             return off
         if active is None:
             atexit.register(_shutdown_active)
-        else:
-            active._close_spans()
         _ACTIVE = _install(
             config,
             role=role,
@@ -313,7 +313,6 @@ def _install(
     else:
         tracer_provider = installed.tracer_provider
         tracer_provider.resource, tracer_provider.id_generator = resource, ids
-        tracer_provider.processors = ()
     handle = Telemetry(
         enabled=True,
         role=role,
