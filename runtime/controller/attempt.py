@@ -44,10 +44,12 @@ def open_attempt(
     *,
     max_steps: int,
     step_ahead: Callable[[], bool],
+    killed_at_end: bool = False,
 ) -> tuple[Any, ControllerModel, MetricsLogger]:
     """(the log, the machine in ``setup`` after ``run_started``, the metrics logger) of a new
     attempt; ``args`` are the actor's (`SFTV2ActorArgs`: the driver, save state, plan);
-    ``step_ahead`` tells the machine whether the workers were sent the next step already."""
+    ``step_ahead`` tells the machine whether the workers were sent the next step already;
+    ``killed_at_end``: the process is killed after the attempt (`MetricsLogger.for_run`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = args.train_cluster
     owner = {k: cluster[k] for k in ("driver_pid", "driver_host") if k in cluster}
@@ -61,6 +63,7 @@ def open_attempt(
             run_dir,
             first_step=state.total_steps + 1,
             run_config=config.model_dump(mode="json"),
+            killed_at_end=killed_at_end,
         )
     except BaseException:
         quietly("close the log", log.close)  # nothing recorded yet: the attempt never began

@@ -115,6 +115,7 @@ class SFTController:
         self._origin = TraceOrigin()  # what every step trace of the attempt shares
         self._trace: StepTrace | None = None  # the trace of the step in flight
         self._flush_left_s: float | None = None  # the shutdown bound the workers' flush left
+        self._killed_at_end = False  # the process ends by `ray.kill`: no exit hook runs
         self._step_attributes: dict[str, Any] | None = None
         self.model: ControllerModel | None = None
         self.metrics: MetricsLogger | None = None
@@ -129,7 +130,8 @@ class SFTController:
     def run_with_trace_context(self, _otel_carrier: dict | None = None) -> RunSummary:
         """`run` in the controller actor: a little nicer than the workers (see
         process/niceness.py), as a child of the driver's span; exports this process's spans at
-        the end."""
+        the end. The driver kills the actor once it has the summary (`kill_and_wait`)."""
+        self._killed_at_end = True
         set_niceness(controller_niceness(self.config.cluster.worker_niceness))
         telemetry = setup_telemetry(
             self.config.telemetry,
@@ -200,6 +202,7 @@ class SFTController:
             self.run_dir,
             max_steps=self.max_steps,
             step_ahead=lambda: self.pipeline.has_ahead,
+            killed_at_end=self._killed_at_end,
         )
         self.validator.read_log(self.log)  # after run_started: what this resume rolled back
 

@@ -180,8 +180,10 @@ class MetricsLogger:
         mlflow: MlflowConfig | None = None,
         gpu_monitoring: GpuMonitoringConfig | None = None,
         run_config: dict[str, Any] | None = None,
+        killed_at_end: bool = False,
     ) -> None:
         log_dir = Path(log_dir)
+        self._killed_at_end = killed_at_end
         self.path = log_dir / "metrics.jsonl"
         self._lock = threading.Lock()
         self._step = first_step - 1  # where GPU samples go before the first step is logged
@@ -214,7 +216,11 @@ class MetricsLogger:
             if writer is not None:
                 self.backends.append(writer)
         if wandb is not None:
-            self.backends.append(WandbWriter(wandb, log_dir, run_config=run_config))
+            self.backends.append(
+                WandbWriter(
+                    wandb, log_dir, run_config=run_config, killed_at_end=self._killed_at_end
+                )
+            )
         if mlflow is not None:
             self.backends.append(MlflowWriter(mlflow, log_dir, run_config=run_config))
 
@@ -226,10 +232,13 @@ class MetricsLogger:
         *,
         first_step: int,
         run_config: dict[str, Any] | None = None,
+        killed_at_end: bool = False,
     ) -> MetricsLogger:
         """The logger of one attempt from the ``logger`` section; ``first_step`` is the step
         the attempt starts at (a resume from checkpoint K starts at K + 1); ``run_config``
-        (the whole config, as plain data) becomes the W&B config and the MLflow params."""
+        (the whole config, as plain data) becomes the W&B config and the MLflow params;
+        ``killed_at_end``: this process is killed after `close`, its exit hooks never run
+        (a Ray actor), so the backends clean up after their libraries when they close."""
         c = logger_config
         return cls(
             run_dir,
@@ -241,6 +250,7 @@ class MetricsLogger:
             mlflow=c.mlflow if c.mlflow_enabled else None,
             gpu_monitoring=c.gpu_monitoring if c.monitor_gpus else None,
             run_config=run_config,
+            killed_at_end=killed_at_end,
         )
 
     def log(self, step: int, metrics: Mapping[str, Any], *, prefix: str = "train") -> None:

@@ -9,6 +9,12 @@ whose output Ray already forwards).
 
 Each attempt of a run is its own W&B run: a resume from checkpoint K starts a new one at
 step K + 1, as W&B cannot rewrite steps a run already logged.
+
+wandb leaves part of its cleanup to the process's exit hooks: its service's socket folder
+and two temporary folders it makes when imported, all in the temporary directory. The
+controller's process never runs them (a Ray actor ends by `ray.kill`), so there the writer
+is told (``killed_at_end``) and does that cleanup itself when it closes; every run would
+otherwise leave three folders in ``/tmp``.
 """
 
 from __future__ import annotations
@@ -42,9 +48,16 @@ class WandbWriter:
     """One W&B run: scalars at the run's global steps, finished with the attempt's outcome."""
 
     def __init__(
-        self, config: WandbConfig, run_dir: Path, *, run_config: dict[str, Any] | None = None
+        self,
+        config: WandbConfig,
+        run_dir: Path,
+        *,
+        run_config: dict[str, Any] | None = None,
+        killed_at_end: bool = False,
     ) -> None:
         import wandb
+
+        self._killed_at_end = killed_at_end
 
         # read here, not left to wandb: it reads its variables once per process, at the
         # first run, and a process may open several (one per attempt)
@@ -75,3 +88,19 @@ class WandbWriter:
 
     def close(self, reason: str = "completed") -> None:
         self._run.finish(exit_code=1 if reason in FAILED_REASONS else 0)
+        if self._killed_at_end:
+            release_wandb()
+
+
+def release_wandb() -> None:
+    """What wandb's exit hooks do, for a process that will be killed: stop the service this
+    process started (it removes its socket folder) and remove the temporary folders wandb
+    made when imported. Only for a process wandb is not otherwise used in: the service's
+    stop finishes any run still open in it."""
+    import wandb
+    from wandb.sdk.artifacts.artifact import Artifact
+    from wandb.sdk.data_types import _private
+
+    wandb.teardown()
+    for folder in (_private.MEDIA_TMP, Artifact._TMP_DIR):
+        folder.cleanup()
