@@ -228,9 +228,17 @@ def main() -> None:
         args.seq = min(args.seq, 256)
         args.steps = min(args.steps, WARMUP + 2)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # the work folder goes at the end, a 1B model's weights and all (the GPU run)
+    with tempfile.TemporaryDirectory(prefix="gpu-hf-") as tmp:
+        measure(args, Path(tmp))
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
+    """Both sides on the same model, data and batches under ``work``; prints the figures."""
+    import torch
+
     from sft_runtime.runtime.data.demo import build_demo_dataset
 
-    work = Path(tempfile.mkdtemp(prefix="gpu-hf-"))
     shape = TINY if args.smoke else LLAMA_1B
     folder = model_dir(work / "model", shape, 32_000 if not args.smoke else 2_000, args.seq)
     data = build_demo_dataset(work / "data", num_samples=2_000, seed=0)

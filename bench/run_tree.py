@@ -496,7 +496,8 @@ def _rows(ours: dict, trl: dict, imports: dict, ray_alone: dict, setup: Setup) -
 def run() -> list[dict]:
     from bench.real_model import MODES, _data, _model
 
-    scratch = Path(tempfile.mkdtemp(prefix="bench-run-tree-"))
+    # a short name: Ray's socket paths under it stay within AF_UNIX's 107 bytes
+    scratch = Path(tempfile.mkdtemp(prefix="tree-"))
     try:
         env = child_env()
         env["RAY_TMPDIR"] = str(scratch / "ray")  # the runs' Ray session files go with it

@@ -1,7 +1,8 @@
 """Every benchmark in bench/ still runs: `make bench`'s own script in smoke mode (tiny sizes,
 few steps), so a moved file or a changed API breaks this test rather than `make bench`.
 
-What is checked is that each benchmark ran to the end and printed its rows, never a time.
+What is checked is that each benchmark ran to the end and printed its rows, never a time,
+and left nothing in its temporary directory.
 The GPU benchmark's CPU smoke run goes alongside `make bench`'s: both spend much of their
 time starting processes, which leaves a core idle now and then.
 """
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from bench.run_all import BENCHMARKS  # noqa: E402
+from tests.support.temp_root import fresh_temp_dir, left_behind  # noqa: E402
 
 # bench/ modules that are not benchmarks of `make bench`, each with why
 NOT_BENCHMARKS = {
@@ -40,31 +42,34 @@ NOT_BENCHMARKS = {
 }
 
 
-def _env() -> dict[str, str]:
+def _env(tmp: Path) -> dict[str, str]:
+    """The test's environment, less what would join another Ray or collector, with its own
+    temporary directory ``tmp`` (what a benchmark forgets there is seen)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "OTEL_"))}
-    env["RAY_AUTH_MODE"] = "disabled"
+    env.update(RAY_AUTH_MODE="disabled", TMPDIR=str(tmp))
     return env
 
 
 @pytest.fixture(scope="module")
-def gpu_smoke(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path]]:
-    """`bench/gpu_hf.py --smoke`, started once, and the file its output goes to."""
+def gpu_smoke(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
+    """`bench/gpu_hf.py --smoke`, started once: (its process, the file its output goes to, its
+    temporary directory)."""
     out = tmp_path_factory.mktemp("gpu-hf-smoke") / "output.txt"
-    with open(out, "w") as fh:
+    with fresh_temp_dir("sftgpu-") as tmp, open(out, "w") as fh:
         proc = subprocess.Popen(
             [sys.executable, "bench/gpu_hf.py", "--smoke"],
             cwd=ROOT,
-            env=_env(),
+            env=_env(tmp),
             stdout=fh,
             stderr=subprocess.STDOUT,
             text=True,
         )
-    try:
-        yield proc, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        try:
+            yield proc, out, tmp
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_every_bench_module_is_a_benchmark_of_make_bench_or_named_as_not():
@@ -76,14 +81,16 @@ def test_make_bench_runs_every_benchmark_in_smoke_mode_and_leaves_results_alone(
     # gpu_smoke: started first, so that it runs beside this one
     results = ROOT / "bench" / "RESULTS.md"
     before = results.read_bytes()
-    done = subprocess.run(
-        [sys.executable, "bench/run_all.py", "--smoke"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    with fresh_temp_dir("sftb-") as tmp:  # short: Ray's socket paths are made under it
+        done = subprocess.run(
+            [sys.executable, "bench/run_all.py", "--smoke"],
+            cwd=ROOT,
+            env=_env(tmp),
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        left = left_behind(tmp)
     out = done.stdout
     assert done.returncode == 0, out[-4000:] + done.stderr[-4000:]
     for name in BENCHMARKS:
@@ -93,12 +100,14 @@ def test_make_bench_runs_every_benchmark_in_smoke_mode_and_leaves_results_alone(
         assert "figure" in table.splitlines()[0], f"bench/{name}.py printed no table"
         assert f"bench/{name}.py took" in table, table
     assert results.read_bytes() == before, "a smoke run must not overwrite bench/RESULTS.md"
+    assert left == [], "the benchmarks left files in their temporary directory"
 
 
 def test_the_gpu_benchmark_runs_on_cpu_in_smoke_mode(gpu_smoke):
-    proc, out = gpu_smoke
+    proc, out, tmp = gpu_smoke
     code = proc.wait(timeout=900)
     text = out.read_text()
     assert code == 0, text[-8000:]
     for side in ("plain FSDP2 loop", "sft-runtime", "ratio sft-runtime / plain"):
         assert side in text, text[-8000:]
+    assert left_behind(tmp) == []  # its work folder (a 1B model on a GPU) is gone
