@@ -183,7 +183,6 @@ class MetricsLogger:
         killed_at_end: bool = False,
     ) -> None:
         log_dir = Path(log_dir)
-        self._killed_at_end = killed_at_end
         self.path = log_dir / "metrics.jsonl"
         self._lock = threading.Lock()
         self._step = first_step - 1  # where GPU samples go before the first step is logged
@@ -193,7 +192,14 @@ class MetricsLogger:
         try:  # a backend that fails to open closes the ones already open
             self._fh = open(self.path, "ab") if jsonl else None  # noqa: SIM115 - close()
             self._open_backends(
-                log_dir, tensorboard_dir, first_step, tensorboard, wandb, mlflow, run_config
+                log_dir,
+                tensorboard_dir,
+                first_step,
+                tensorboard,
+                wandb,
+                mlflow,
+                run_config,
+                killed_at_end,
             )
             if gpu_monitoring is not None:
                 self._gpu = start_gpu_monitor(gpu_monitoring, self.log_system)
@@ -210,6 +216,7 @@ class MetricsLogger:
         wandb: WandbConfig | None,
         mlflow: MlflowConfig | None,
         run_config: dict[str, Any] | None,
+        killed_at_end: bool,
     ) -> None:
         if tensorboard:
             writer = open_tensorboard(log_dir / tensorboard_dir, first_step)
@@ -217,9 +224,7 @@ class MetricsLogger:
                 self.backends.append(writer)
         if wandb is not None:
             self.backends.append(
-                WandbWriter(
-                    wandb, log_dir, run_config=run_config, killed_at_end=self._killed_at_end
-                )
+                WandbWriter(wandb, log_dir, run_config=run_config, killed_at_end=killed_at_end)
             )
         if mlflow is not None:
             self.backends.append(MlflowWriter(mlflow, log_dir, run_config=run_config))
